@@ -1,0 +1,46 @@
+# Every target installs what it needs on a fresh machine: `.venv` at the repository root,
+# torch pinned to the CPU build where no NVIDIA GPU is present, the project with its dev
+# extra. The stamp file re-runs the install when the dependency lists change.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+MODEL ?= builtin:tiny
+PORT ?= 8000
+PYTEST_ARGS ?=
+
+.PHONY: install serve test bench bench-quick lint calibrate clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml requirements-cpu.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	if command -v nvidia-smi >/dev/null 2>&1; then \
+		$(PY) -m pip install --quiet -e '.[dev,gpu]'; \
+	else \
+		$(PY) -m pip install --quiet -r requirements-cpu.txt && \
+		$(PY) -m pip install --quiet -e '.[dev]'; \
+	fi
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(PY) -m cluster.serve --model '$(MODEL)' --port $(PORT)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(PY) -m benchmarks.run
+
+bench-quick: $(STAMP)
+	$(PY) -m benchmarks.run --quick
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check cluster controller workers kvcache tests benchmarks
+
+calibrate: $(STAMP)
+	$(PY) -m cluster.cli calibrate --model '$(MODEL)' --out budget.json
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,106 @@
+"""Every message that crosses the controller/worker boundary, as plain dataclasses.
+
+Torch-free and Ray-free: these objects are pickled by Ray between the controller
+actor and worker actors, and passed by reference inside `LocalEngine`.
+
+Protocol (vLLM V1 style, diffs not states):
+- A request the worker has not seen travels whole once, as `NewRequestData`.
+- A request the worker already holds travels as `CachedRequestData`: only the
+  blocks appended since the last step.
+- `finished_request_ids` tells the worker to drop its per-request state; a preempted
+  request is in that list too and comes back later as `NewRequestData`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick the next token. Validated at the edge (ingress, batch reader)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1) disables top-k
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()  # stop strings: applied where text is decoded
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class NewRequestData:
+    """A request the worker has not seen yet (or sees again after preemption)."""
+
+    request_id: str
+    token_ids: list[int]  # prompt + already generated tokens (after a preemption)
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int  # > 0 on a prefix-cache hit
+    num_output_tokens: int = 0  # generated tokens already inside token_ids
+
+
+@dataclass
+class CachedRequestData:
+    """Diff for a request the worker holds: blocks appended this step."""
+
+    request_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int  # as the controller sees it before this step
+
+
+@dataclass
+class StepPlan:
+    """What one worker computes in one step. Invariant:
+    sum(num_scheduled_tokens.values()) == total_num_scheduled_tokens <= token budget."""
+
+    step_id: int
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    finished_request_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class ChunkComplete:
+    """A prefill chunk (any scheduled span of a request that does not sample) finished."""
+
+    request_id: str
+    chunk_index: int
+    start: int  # global position of the chunk's first token
+    num_tokens: int
+    elapsed_s: float
+    bytes_moved: int
+
+
+@dataclass
+class CacheEvict:
+    """Blocks of a request were released (finish, abort or preemption)."""
+
+    request_id: str
+    num_blocks_freed: int
+    kv_usage: float  # pool usage after the release, 0..1
+
+
+@dataclass
+class StepResult:
+    """What a worker reports back for one `StepPlan`."""
+
+    step_id: int
+    # request_id -> tokens sampled this step (empty list for a chunk that did not sample)
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    chunk_events: list[ChunkComplete] = field(default_factory=list)
+    elapsed_s: float = 0.0  # worker compute time for the step
+    bytes_moved: int = 0  # estimate: weights + KV read/written + activations
+    num_tokens: int = 0

@@ -1,0 +1,110 @@
+"""One `Request` per user request: the only per-request state the scheduler keeps.
+
+No prefill or decode phase is stored: a request has `num_computed_tokens` and
+`num_tokens`; the status is derived bookkeeping for metrics and flow control.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from controller.messages import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    PREFILL_CHUNKING = "prefill_chunking"  # admitted, prompt not fully computed yet
+    DECODING = "decoding"
+    PREEMPTED = "preempted"  # back in the waiting queue, blocks released
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    priority: int = 0  # lower value is served first (vLLM's convention)
+    arrival_time: float = 0.0
+    tenant: str = "default"
+    max_model_len: int | None = None  # hard cap on prompt + output tokens
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prefix-cache hit at first admission
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    arrival_seq: int = 0  # tie-breaker set by the scheduler: strict arrival order
+    first_scheduled_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_decoding(self) -> bool:
+        """Exactly one known token is not computed yet: the last sampled one."""
+        return self.num_output_tokens > 0 and self.num_tokens_to_compute == 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        return (self.priority, self.arrival_seq)
+
+    def check_stop(self) -> RequestStatus | None:
+        """The finish status implied by the last sampled token, if any."""
+        params = self.sampling_params
+        last = self.output_token_ids[-1]
+        if not params.ignore_eos and last in self.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if last in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if self.max_model_len is not None and self.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+
+@dataclass
+class RequestOutput:
+    """Delta for one request after one step: the edge turns these into streams."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int = 0
+    error: str | None = None  # set when the request was aborted by a protection
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,281 @@
+"""One token budget per step, no prefill or decode phase (DESIGN.md "Scheduling").
+
+Each step, for one worker, in this order and never past `max_num_batched_tokens` nor
+`max_num_seqs`:
+1. running requests that decode: 1 token each;
+2. running requests still prefilling (PREFILL_CHUNKING): the next chunk;
+3. waiting requests, by (priority, arrival): admitted with their first chunk.
+A running request that cannot get a block preempts by recompute the lowest-priority,
+latest-arrived running request (possibly itself), which returns to the waiting queue
+ahead of every later arrival of its priority. Waiting requests never preempt.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from controller.messages import CachedRequestData, CacheEvict, NewRequestData, StepPlan, StepResult
+from controller.request import Request, RequestOutput, RequestStatus
+from kvcache.manager import KVCacheManager
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048  # token budget of one step
+    max_num_seqs: int = 256  # running requests at most
+    max_chunk_tokens: int | None = None  # cap on one prefill chunk; None = the budget
+    max_concurrent_chunks: int = 4  # prefill chunks per step (flow control lowers it)
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+
+
+@dataclass
+class SchedulerStats:
+    """Filled by the core, exported by the metrics module at the edge."""
+
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_scheduled_tokens: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_finished: int = 0
+    cache_evicts: list[CacheEvict] = field(default_factory=list)
+
+
+_RUNNING = (RequestStatus.PREFILL_CHUNKING, RequestStatus.DECODING)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
+                 clock: Callable[[], float] | None = None):
+        self.config = config
+        self.kv = kv
+        self.block_size = kv.block_size
+        self.clock = clock or (lambda: 0.0)
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[tuple[tuple[int, int], str]] = []  # heap of (sort_key, id)
+        self.running: list[Request] = []  # admission order
+        self._arrivals = itertools.count()
+        self._step_ids = itertools.count()
+        self._worker_known: dict[str, int] = {}  # request id -> blocks already sent
+        self._finished_ids: set[str] = set()  # to tell the worker next plan
+        self.stats = SchedulerStats()
+        # Set by flow control before `schedule()` (controller/flow.py): prefill chunks
+        # allowed this step (0 = decodes only), and a smaller chunk size when degraded.
+        self.chunk_limit: int | None = None
+        self.chunk_cap_override: int | None = None
+
+    # -- requests ----------------------------------------------------------------
+    @property
+    def capacity_tokens(self) -> int:
+        return self.kv.pool.num_blocks * self.block_size
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request. Raises ValueError when it could never fit in this pool."""
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        need = request.num_prompt_tokens + request.sampling_params.max_tokens
+        if need > self.capacity_tokens:
+            raise ValueError(f"prompt + max_tokens = {need} tokens exceeds the KV capacity "
+                             f"of {self.capacity_tokens} tokens")
+        request.arrival_seq = next(self._arrivals)
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        heapq.heappush(self.waiting, (request.sort_key, request.request_id))
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        return self._output(request, [])
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(1 for _, rid in self.waiting if rid in self.requests)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def has_work(self) -> bool:
+        """Something to schedule, or finished ids the worker has not been told yet."""
+        return bool(self.requests) or bool(self._finished_ids)
+
+    # -- planning ------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        budget = self.config.max_num_batched_tokens
+        plan = StepPlan(step_id=next(self._step_ids))
+        scheduled: dict[str, int] = {}
+        num_chunks = 0
+        max_chunks = self.config.max_concurrent_chunks
+        if self.chunk_limit is not None:
+            max_chunks = min(max_chunks, self.chunk_limit)
+        num_preemptions_before = self.stats.num_preemptions
+
+        # 1 + 2: running requests, decodes before partial prefills.
+        decodes = [r for r in self.running if r.is_decoding]
+        prefills = [r for r in self.running if not r.is_decoding]
+        for request in decodes + prefills:
+            if request.status not in _RUNNING or budget == 0:
+                continue  # preempted as a victim earlier in this loop
+            if request.is_decoding:
+                num_new = 1
+            else:
+                if num_chunks >= max_chunks:
+                    continue
+                num_new = self._chunk_len(request, budget)
+                if num_new == 0:
+                    continue
+            if not self._allocate_or_preempt(request, num_new, scheduled):
+                continue
+            scheduled[request.request_id] = num_new
+            budget -= num_new
+            num_chunks += 0 if request.is_decoding else 1
+
+        # 3: waiting requests, only if nothing was preempted this step (a preemption
+        # means the pool is full: admitting others would thrash).
+        while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
+               and num_chunks < max_chunks
+               and self.stats.num_preemptions == num_preemptions_before):
+            _, request_id = self.waiting[0]
+            request = self.requests.get(request_id)
+            if request is None or request.status not in (RequestStatus.WAITING,
+                                                         RequestStatus.PREEMPTED):
+                heapq.heappop(self.waiting)  # aborted or stale entry
+                continue
+            computed = self.kv.get_computed_blocks(request.all_token_ids)
+            num_computed = len(computed) * self.block_size
+            request.num_computed_tokens = num_computed
+            num_new = self._chunk_len(request, budget)
+            if num_new == 0:
+                break
+            if self.kv.allocate_slots(request_id, num_computed + num_new, computed) is None:
+                request.num_computed_tokens = 0
+                break
+            heapq.heappop(self.waiting)
+            if request.num_preemptions == 0:  # hits after a preemption are our own blocks
+                request.num_cached_tokens = num_computed
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = self.clock()
+            request.status = RequestStatus.PREFILL_CHUNKING
+            self.running.append(request)
+            scheduled[request_id] = num_new
+            budget -= num_new
+            num_chunks += 1
+
+        self._fill_plan(plan, scheduled)
+        self.stats.num_steps += 1
+        self.stats.num_scheduled_tokens += plan.total_num_scheduled_tokens
+        return plan
+
+    def _chunk_len(self, request: Request, budget: int) -> int:
+        """Next chunk: min(remaining, budget, chunk cap), its end on the block grid.
+
+        Only the request's last chunk may end off the grid, except when the grid would
+        give 0 tokens: progress beats alignment (a budget smaller than a block must not
+        starve prefill), and the next chunk realigns.
+        """
+        cap = self.chunk_cap_override or self.config.max_chunk_tokens or budget
+        remaining = request.num_tokens_to_compute
+        num_new = min(remaining, budget, cap)
+        if num_new < remaining:
+            end = request.num_computed_tokens + num_new
+            aligned = end - end % self.block_size - request.num_computed_tokens
+            num_new = aligned if aligned > 0 else num_new
+        return num_new
+
+    def _allocate_or_preempt(self, request: Request, num_new: int,
+                             scheduled: dict[str, int]) -> bool:
+        total = request.num_computed_tokens + num_new
+        while self.kv.allocate_slots(request.request_id, total) is None:
+            victim = max(self.running, key=lambda r: r.sort_key)
+            self._preempt(victim, scheduled)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request, scheduled: dict[str, int]) -> None:
+        """Recompute preemption: drop the blocks, go back to the waiting queue."""
+        self.running.remove(request)
+        scheduled.pop(request.request_id, None)
+        self._release(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        heapq.heappush(self.waiting, (request.sort_key, request.request_id))
+
+    def _release(self, request: Request) -> None:
+        num_freed = self.kv.free(request.request_id)
+        if self._worker_known.pop(request.request_id, None) is not None:
+            self._finished_ids.add(request.request_id)
+        if num_freed:
+            self.stats.cache_evicts.append(
+                CacheEvict(request.request_id, num_freed, self.kv.pool.usage))
+
+    def _fill_plan(self, plan: StepPlan, scheduled: dict[str, int]) -> None:
+        plan.finished_request_ids = self._finished_ids
+        self._finished_ids = set()
+        for request_id, num_new in scheduled.items():
+            request = self.requests[request_id]
+            block_ids = self.kv.block_ids(request_id)
+            num_sent = self._worker_known.get(request_id)
+            if num_sent is None:
+                plan.new_requests.append(NewRequestData(
+                    request_id, request.all_token_ids, request.sampling_params,
+                    list(block_ids), request.num_computed_tokens, request.num_output_tokens))
+            else:
+                plan.cached_requests.append(CachedRequestData(
+                    request_id, block_ids[num_sent:], request.num_computed_tokens))
+            self._worker_known[request_id] = len(block_ids)
+            plan.num_scheduled_tokens[request_id] = num_new
+        plan.total_num_scheduled_tokens = sum(scheduled.values())
+        assert plan.total_num_scheduled_tokens <= self.config.max_num_batched_tokens
+
+    # -- results -------------------------------------------------------------------
+    def update_from_output(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
+        outputs = []
+        for request_id, num_new in plan.num_scheduled_tokens.items():
+            request = self.requests.get(request_id)
+            if request is None or request.status not in _RUNNING:
+                continue  # aborted or preempted while the step ran
+            is_prefill = not request.is_decoding
+            request.num_computed_tokens += num_new
+            if is_prefill:
+                self.stats.num_prefill_tokens += num_new
+            else:
+                self.stats.num_decode_tokens += num_new
+            sampled = result.sampled_token_ids.get(request_id, [])
+            # A sample only exists once every known token is computed.
+            assert not sampled or request.num_computed_tokens == request.num_tokens
+            request.output_token_ids.extend(sampled)
+            self.kv.cache_full_blocks(request_id, request.all_token_ids,
+                                      request.num_computed_tokens)
+            finish = request.check_stop() if sampled else None
+            if finish is not None:
+                self._finish(request, finish)
+            elif request.num_computed_tokens >= request.num_prompt_tokens or sampled:
+                request.status = RequestStatus.DECODING
+            if sampled or finish is not None:
+                outputs.append(self._output(request, sampled))
+        return outputs
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        if request in self.running:
+            self.running.remove(request)
+        self._release(request)
+        self.requests.pop(request.request_id, None)
+        self.stats.num_finished += 1
+
+    @staticmethod
+    def _output(request: Request, new_token_ids: list[int]) -> RequestOutput:
+        finish = request.status.value if request.is_finished else None
+        return RequestOutput(request.request_id, list(new_token_ids), finish,
+                             request.num_prompt_tokens, request.num_output_tokens,
+                             request.num_cached_tokens)

@@ -1,0 +1,38 @@
+"""A fake worker for scheduler tests: samples a seeded token whenever a request's known
+tokens are all computed, as the real worker does. Torch-free."""
+
+from __future__ import annotations
+
+import random
+
+from controller.messages import StepPlan, StepResult
+from controller.scheduler import Scheduler
+
+
+class FakeRunner:
+    def __init__(self, scheduler: Scheduler, vocab_size: int = 100, seed: int = 0):
+        self.scheduler = scheduler
+        self.vocab_size = vocab_size
+        self.rng = random.Random(seed)
+        self.held: dict[str, list[int]] = {}  # request id -> block ids, from the diffs
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        for request_id in plan.finished_request_ids:
+            self.held.pop(request_id, None)
+        for new in plan.new_requests:
+            self.held[new.request_id] = list(new.block_ids)
+        for cached in plan.cached_requests:
+            self.held[cached.request_id].extend(cached.new_block_ids)
+        result = StepResult(step_id=plan.step_id, num_tokens=plan.total_num_scheduled_tokens)
+        for request_id, num_new in plan.num_scheduled_tokens.items():
+            request = self.scheduler.requests[request_id]
+            # The worker's block table mirrors the scheduler's after applying the diffs.
+            assert self.held[request_id] == self.scheduler.kv.block_ids(request_id)
+            done = request.num_computed_tokens + num_new == request.num_tokens
+            result.sampled_token_ids[request_id] = (
+                [self.rng.randrange(self.vocab_size)] if done else [])
+        return result
+
+    def step(self) -> list:
+        plan = self.scheduler.schedule()
+        return self.scheduler.update_from_output(plan, self.execute(plan))

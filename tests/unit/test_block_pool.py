@@ -1,0 +1,53 @@
+from kvcache.block_pool import BlockPool
+from kvcache.manager import KVCacheManager
+
+
+def test_allocate_free_and_integrity():
+    pool = BlockPool(num_blocks=4, block_size=2)
+    ids = pool.allocate(3)
+    assert ids is not None and len(ids) == 3
+    assert pool.allocate(2) is None  # a full pool is a return value, not an exception
+    assert pool.stats().num_free == 1
+    pool.free(ids)
+    pool.check_integrity()
+    assert pool.num_available == 4
+
+
+def test_prefix_cache_hit_reuses_blocks_and_recomputes_last_token():
+    pool = BlockPool(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    kv = KVCacheManager(pool)
+    prompt = list(range(12))
+    assert kv.allocate_slots("a", len(prompt)) is not None
+    kv.cache_full_blocks("a", prompt, len(prompt))
+    kv.free("a")
+    pool.check_integrity()
+    assert pool.stats().num_cached == 3
+    # 12 tokens = 3 full blocks, but the last token must be recomputed: 2 blocks hit.
+    hits = kv.get_computed_blocks(prompt)
+    assert len(hits) == 2
+    appended = kv.allocate_slots("b", len(prompt), hits)
+    assert appended is not None and appended[:2] == hits
+    pool.check_integrity()
+    assert pool.num_used == 3
+
+
+def test_cached_blocks_evicted_lru_first():
+    pool = BlockPool(num_blocks=3, block_size=2, enable_prefix_caching=True)
+    kv = KVCacheManager(pool)
+    for rid, toks in (("a", [1, 2]), ("b", [3, 4])):
+        kv.allocate_slots(rid, 2)
+        kv.cache_full_blocks(rid, toks, 2)
+        kv.free(rid)
+    assert pool.allocate(2) is not None  # takes the plain free block, then a's block
+    assert kv.get_computed_blocks([1, 2, 9]) == []  # a was evicted first
+    assert len(kv.get_computed_blocks([3, 4, 9])) == 1  # b survives
+    pool.check_integrity()
+
+
+def test_failed_allocation_changes_nothing():
+    pool = BlockPool(num_blocks=2, block_size=2)
+    kv = KVCacheManager(pool)
+    assert kv.allocate_slots("a", 4) is not None
+    assert kv.allocate_slots("b", 1) is None
+    assert kv.block_ids("b") == []
+    pool.check_integrity()
