@@ -1,0 +1,159 @@
+"""Batch inference over the OpenAI Batch file format.
+
+    python -m cluster.batch -i IN.jsonl -o OUT.jsonl --local --model builtin:tiny
+
+Each input line is `{"custom_id", "method", "url", "body"}`; each output line answers
+one `custom_id` with a response body or an error. A malformed line gets an error line
+and the rest of the file still runs. Resumable: lines whose `custom_id` is already in
+OUT are skipped and new lines are appended, each flushed as its request finishes.
+Without `--local` the requests go to a running tokenflow Ray cluster (`ray job submit`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+from cluster import protocol as p
+from cluster.config import TokenflowConfig
+from cluster.frontend import Frontend, Prepared, TextStream
+
+
+@dataclass
+class Job:
+    custom_id: str
+    prepared: Prepared
+    stream: TextStream
+
+
+def read_done_ids(path: Path) -> set[str]:
+    """custom_ids already answered in OUT (a previous, interrupted run)."""
+    if not path.exists():
+        return set()
+    done = set()
+    for line in path.read_text().splitlines():
+        try:
+            done.add(json.loads(line)["custom_id"])
+        except (ValueError, KeyError, TypeError):
+            continue  # a torn last line from a crash: that request runs again
+    return done
+
+
+def _custom_id_of(line: str) -> str | None:
+    try:
+        value = json.loads(line).get("custom_id")
+        return value if isinstance(value, str) else None
+    except (ValueError, AttributeError):
+        return None
+
+
+def write_line(out: TextIO, record: dict) -> None:
+    out.write(json.dumps(record) + "\n")
+    out.flush()
+
+
+def run_local(lines: Iterable[str], out: TextIO, config: TokenflowConfig,
+              done_ids: set[str], progress: bool = True) -> dict[str, int]:
+    from tqdm import tqdm
+
+    from cluster.engine import LocalEngine
+
+    engine = LocalEngine(config)
+    tokenizer = engine.worker.tokenizer
+    frontend = Frontend(tokenizer, config, engine.worker.vocab_size)
+    counts = {"completed": 0, "failed": 0, "skipped": 0}
+    jobs: dict[str, Job] = {}
+    for line in lines:
+        if not line.strip():
+            continue
+        custom_id = _custom_id_of(line)
+        if custom_id is not None and custom_id in done_ids:
+            counts["skipped"] += 1
+            continue
+        try:
+            item = p.parse_batch_line(line)
+            prepared = frontend.prepare(item.url, item.body)
+            request_id = engine.add_request(prepared.prompt_token_ids, prepared.params,
+                                            priority=prepared.priority)
+        except (p.ProtocolError, ValueError) as err:
+            if not isinstance(err, p.ProtocolError):  # the engine refused it (capacity)
+                err = p.ProtocolError(400, str(err))
+            write_line(out, p.batch_error_line(custom_id, err))
+            counts["failed"] += 1
+            continue
+        jobs[request_id] = Job(item.custom_id, prepared, frontend.text_stream(prepared))
+
+    bar = tqdm(total=len(jobs), desc="batch", unit="req", disable=not progress,
+               file=sys.stderr)
+    while jobs:
+        for output in engine.step():
+            job = jobs.get(output.request_id)
+            if job is None:
+                continue
+            job.stream.push(output.new_token_ids)
+            if job.stream.stopped and not output.finished:
+                engine.abort(output.request_id)  # a stop string ended it
+                output.finish_reason = "stop"
+            if output.finish_reason is None:
+                continue
+            job.stream.finish()
+            body = frontend.response(job.prepared, output.request_id, job.stream,
+                                     output.finish_reason)
+            write_line(out, p.batch_output_line(job.custom_id, body, None, 200))
+            del jobs[output.request_id]
+            counts["completed"] += 1
+            bar.update(1)
+        if jobs and not engine.has_unfinished():
+            raise RuntimeError("engine went idle with unfinished batch requests")
+    bar.close()
+    engine.check_integrity()
+    return counts
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m cluster.batch", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-i", "--input", required=True, type=Path, help="OpenAI Batch JSONL in")
+    ap.add_argument("-o", "--output", required=True, type=Path, help="JSONL out (appended)")
+    ap.add_argument("--local", action="store_true",
+                    help="run in this process (LocalEngine) instead of on a Ray cluster")
+    ap.add_argument("--model", help="checkpoint folder or builtin preset")
+    ap.add_argument("--max-num-batched-tokens", type=int)
+    ap.add_argument("--max-num-seqs", type=int)
+    ap.add_argument("--block-size", type=int)
+    ap.add_argument("--num-kv-blocks", type=int)
+    ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                    default=None)
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return ap.parse_args(argv)
+
+
+def config_from_args(args: argparse.Namespace) -> TokenflowConfig:
+    overrides = {k: getattr(args, k) for k in (
+        "model", "max_num_batched_tokens", "max_num_seqs", "block_size", "num_kv_blocks",
+        "enable_prefix_caching") if getattr(args, k) is not None}
+    return TokenflowConfig(**overrides)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    config = config_from_args(args)
+    done_ids = read_done_ids(args.output)
+    with args.input.open() as inp, args.output.open("a") as out:
+        if args.local:
+            counts = run_local(inp, out, config, done_ids, progress=not args.no_progress)
+        else:
+            from cluster.remote_batch import run_remote
+
+            counts = run_remote(inp, out, config, done_ids, progress=not args.no_progress)
+    print(json.dumps(counts), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""`LocalEngine`: the controller core and one worker in one process.
+
+Used by tests, benchmarks and `python -m cluster.batch --local`. The same
+`ControllerCore` runs inside the Ray controller actor; only the transport differs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict, deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from cluster.config import TokenflowConfig
+from controller.core import ControllerCore, PoolSpec
+from controller.messages import SamplingParams, StepPlan, StepResult
+from controller.request import RequestOutput
+
+
+@dataclass
+class Completion:
+    """A finished request, as `generate` returns it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+
+
+class LocalEngine:
+    def __init__(self, config: TokenflowConfig | None = None, **overrides: object):
+        from workers.worker import Worker  # torch stays out of torch-free importers
+
+        self.config = config or TokenflowConfig(**overrides)  # type: ignore[arg-type]
+        cfg = self.config
+        self.worker = Worker(cfg.model, num_kv_blocks=cfg.num_kv_blocks,
+                             block_size=cfg.block_size, dtype=cfg.dtype, seed=cfg.seed,
+                             device=cfg.device)
+        self.core = ControllerCore(
+            [PoolSpec(cfg.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching)],
+            cfg.scheduler_config(), eos_token_ids=tuple(self.worker.eos_token_ids),
+            max_model_len=cfg.max_model_len, max_queue_len=cfg.max_queue_len,
+            clock=time.monotonic)
+        self._pending: dict[str, deque[RequestOutput]] = defaultdict(deque)
+        self.step_log: list[tuple[StepPlan, StepResult]] = []  # kept only when asked
+        self.keep_step_log = False
+
+    @property
+    def scheduler(self):  # the single worker's scheduler
+        return self.core.schedulers[0]
+
+    # -- requests ---------------------------------------------------------------------
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None, priority: int = 0,
+                    tenant: str = "default") -> str:
+        vocab = self.worker.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        request = self.core.add_request(prompt_token_ids, params, request_id, priority, tenant)
+        return request.request_id
+
+    def abort(self, request_id: str) -> None:
+        out = self.core.abort(request_id)
+        if out is not None:
+            self._pending[request_id].append(out)
+
+    # -- stepping ---------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One scheduler step on the worker; returns the deltas it produced."""
+        if not self.core.has_work(0):
+            return []
+        plan = self.core.schedule(0)
+        result = self.worker.execute(plan)
+        if self.keep_step_log:
+            self.step_log.append((plan, result))
+        return self.core.apply(0, plan, result)
+
+    def has_unfinished(self) -> bool:
+        return self.core.has_unfinished()
+
+    def stream(self, request_id: str) -> Iterator[RequestOutput]:
+        """Deltas of one request; steps the engine as needed (others' deltas are kept)."""
+        while True:
+            queue = self._pending[request_id]
+            while queue:
+                out = queue.popleft()
+                yield out
+                if out.finished:
+                    del self._pending[request_id]
+                    return
+            if not self.core.has_work(0):
+                raise RuntimeError(f"request {request_id} is not running")
+            for out in self.step():
+                self._pending[out.request_id].append(out)
+
+    def generate(self, prompts: list[list[int]],
+                 params: SamplingParams | list[SamplingParams]) -> list[Completion]:
+        """Run prompts to completion; results in prompt order."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
+        done = {rid: Completion(rid, list(p)) for rid, p in zip(ids, prompts, strict=True)}
+        while any(c.finish_reason is None for c in done.values()):
+            if not self.core.has_work(0):
+                raise RuntimeError("engine idle with unfinished requests")
+            for out in self.step():
+                completion = done.get(out.request_id)
+                if completion is None:
+                    self._pending[out.request_id].append(out)
+                    continue
+                completion.output_token_ids.extend(out.new_token_ids)
+                completion.finish_reason = out.finish_reason
+                completion.num_cached_tokens = out.num_cached_tokens
+        return [done[rid] for rid in ids]
+
+    def check_integrity(self) -> None:
+        """Pool partition holds and, once idle, the worker holds no block."""
+        self.core.check_integrity()
+        if not self.core.has_unfinished():
+            self.step()  # deliver pending finished ids so the worker drops its tables
+            assert not self.worker.held_block_ids(), "worker still holds blocks"

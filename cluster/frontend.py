@@ -1,0 +1,115 @@
+"""Text in, text out: what both the HTTP ingress and the batch CLI do around the engine.
+
+A request body becomes `Prepared` (prompt ids + sampling params, every check done,
+errors as `ProtocolError` with their HTTP status); generated ids become text through an
+incremental detokenizer and the stop-string matcher; the finished text becomes an
+OpenAI response body.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from cluster import protocol as p
+from cluster.config import TokenflowConfig
+from controller.messages import SamplingParams
+from workers.tokenizer import IncrementalDetokenizer, Tokenizer
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+
+
+@dataclass
+class Prepared:
+    url: str
+    request: p.CompletionRequest | p.ChatCompletionRequest
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+
+    @property
+    def is_chat(self) -> bool:
+        return self.url == CHAT
+
+
+class TextStream:
+    """Generated ids -> text deltas, cut before a stop string."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...]):
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.matcher = p.StopStringMatcher(list(stop))
+        self.text = ""
+        self.token_ids: list[int] = []
+        self.stopped = False
+
+    def push(self, new_token_ids: list[int]) -> str:
+        if self.stopped:
+            return ""
+        self.token_ids.extend(new_token_ids)
+        delta, self.stopped = self.matcher.feed(self.detok.push(new_token_ids))
+        self.text += delta
+        return delta
+
+    def finish(self) -> str:
+        """Flush text held back for a possible stop string once generation has ended."""
+        if self.stopped:
+            return ""
+        delta = self.matcher.flush()
+        self.text += delta
+        return delta
+
+
+class Frontend:
+    def __init__(self, tokenizer: Tokenizer, config: TokenflowConfig, vocab_size: int):
+        self.tokenizer = tokenizer
+        self.config = config
+        self.vocab_size = vocab_size
+
+    def prepare(self, url: str, body: dict | bytes | str) -> Prepared:
+        """Validate and tokenize one request; raises ProtocolError (400/404/422)."""
+        if url not in (COMPLETIONS, CHAT):
+            raise p.ProtocolError(404, f"unknown endpoint {url}", "NotFoundError")
+        cls = p.request_class_for_url(url)
+        request = (p.validate_request(body, cls) if isinstance(body, dict)
+                   else p.parse_request(body, cls))
+        p.check_model(request.model, self.served_names)
+        if isinstance(request, p.ChatCompletionRequest):
+            text = self.tokenizer.apply_chat_template(request.conversation(),
+                                                      add_generation_prompt=True)
+            prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        elif request.prompt_token_ids is not None:
+            prompt_ids = list(request.prompt_token_ids)
+        else:
+            prompt_ids = self.tokenizer.encode(request.prompt_text or "")
+        cap = self.config.prefill_cap_tokens
+        if len(prompt_ids) > cap:
+            # The budget circuit breaker: refused before any actor call.
+            raise p.ProtocolError(422, f"the prompt has {len(prompt_ids)} tokens, over the "
+                                  f"prefill cap of {cap} tokens", param=request.prompt_param,
+                                  code="prompt_too_long")
+        room = p.check_limits(request, prompt_ids, self.config.max_model_len, self.vocab_size)
+        params = p.to_sampling_params(request, min(room, self.config.default_max_tokens))
+        return Prepared(url, request, prompt_ids, params, request.priority or 0)
+
+    @property
+    def served_names(self) -> list[str]:
+        return list(dict.fromkeys([self.config.model_name, self.config.model]))
+
+    def text_stream(self, prepared: Prepared) -> TextStream:
+        return TextStream(self.tokenizer, prepared.params.stop)
+
+    def response(self, prepared: Prepared, request_id: str, stream: TextStream,
+                 finish_reason: str | None) -> dict:
+        """The non-streaming OpenAI body of a finished request."""
+        reason = "stop" if stream.stopped or finish_reason == "abort" else finish_reason
+        return_ids = bool(prepared.request.return_token_ids)
+        args = dict(request_id=request_id, model=self.config.model_name,
+                    created=int(time.time()), text=stream.text, finish_reason=reason,
+                    prompt_len=len(prepared.prompt_token_ids),
+                    completion_len=len(stream.token_ids),
+                    token_ids=stream.token_ids if return_ids else None,
+                    prompt_token_ids=prepared.prompt_token_ids if return_ids else None)
+        if prepared.is_chat:
+            return p.chat_completion_response(**args)
+        return p.completion_response(**args)

@@ -1,0 +1,64 @@
+"""`python -m cluster.batch --local` end to end on builtin:tiny, in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def write_input(path: Path) -> None:
+    lines = [
+        {"custom_id": "text", "method": "POST", "url": "/v1/completions",
+         "body": {"model": "builtin:tiny", "prompt": "Hello, world", "max_tokens": 8,
+                  "temperature": 0, "ignore_eos": True, "return_token_ids": True}},
+        {"custom_id": "ids", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": [5, 6, 7, 8, 9], "max_tokens": 6, "temperature": 0.8,
+                  "top_p": 0.9, "top_k": 20, "seed": 3, "ignore_eos": True}},
+        {"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
+                  "temperature": 0, "return_token_ids": True, "ignore_eos": True}},
+    ]
+    text = "\n".join(json.dumps(x) for x in lines)
+    text += '\n{"custom_id": "broken", "method": "POST", "url": \n'  # malformed JSON
+    text += json.dumps({"custom_id": "bad-temp", "method": "POST", "url": "/v1/completions",
+                        "body": {"prompt": "x", "temperature": -1}}) + "\n"
+    path.write_text(text)
+
+
+def run_batch(inp: Path, out: Path) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "cluster.batch", "-i", str(inp), "-o", str(out), "--local",
+           "--model", "builtin:tiny", "--num-kv-blocks", "64", "--block-size", "8",
+           "--max-num-batched-tokens", "32", "--no-progress"]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def test_batch_local_end_to_end(tmp_path):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_input(inp)
+    proc = run_batch(inp, out)
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    by_id = {row["custom_id"]: row for row in rows}
+    assert set(by_id) == {"text", "ids", "chat", None, "bad-temp"}
+    text = by_id["text"]["response"]
+    assert text["status_code"] == 200
+    choice = text["body"]["choices"][0]
+    assert len(choice["token_ids"]) == 8 and choice["finish_reason"] == "length"
+    assert text["body"]["usage"]["completion_tokens"] == 8
+    assert by_id["ids"]["response"]["body"]["usage"]["prompt_tokens"] == 5
+    chat = by_id["chat"]["response"]["body"]
+    assert chat["object"] == "chat.completion" and len(chat["choices"][0]["token_ids"]) == 5
+    assert by_id[None]["response"]["status_code"] == 400
+    bad = by_id["bad-temp"]["response"]
+    assert bad["status_code"] == 400 and "temperature" in bad["body"]["error"]["message"]
+
+    # Resumable: a second run over the same output answers nothing twice.
+    proc = run_batch(inp, out)
+    assert proc.returncode == 0, proc.stderr
+    rows_after = out.read_text().splitlines()
+    ids_after = [json.loads(r)["custom_id"] for r in rows_after]
+    assert ids_after.count("text") == 1 and ids_after.count("chat") == 1

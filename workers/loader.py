@@ -1,0 +1,87 @@
+"""Load a Hugging Face checkpoint folder (config.json + *.safetensors) into `LlamaForCausalLM`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import Tensor
+
+from workers.model_config import ModelConfig
+from workers.models.llama import LlamaForCausalLM
+
+# Keys some checkpoints carry that our model derives instead of storing.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+_DTYPE_NAMES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = dtype.removeprefix("torch.")
+    if name not in _DTYPE_NAMES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(_DTYPE_NAMES)}")
+    return _DTYPE_NAMES[name]
+
+
+def load_state_dict_files(folder: Path) -> dict[str, Tensor]:
+    """Merge every `*.safetensors` file in `folder` (sharded or single)."""
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"no *.safetensors file in {folder}; only safetensors checkpoints are supported "
+            "(convert .bin weights with `save_pretrained(..., safe_serialization=True)`)"
+        )
+    state: dict[str, Tensor] = {}
+    for file in files:
+        state.update(load_file(str(file), device="cpu"))
+    return state
+
+
+def load_model(
+    folder: str | Path,
+    dtype: torch.dtype | str = torch.float32,
+    device: str | torch.device = "cpu",
+) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """Build the model from `folder/config.json` and load its weights strictly."""
+    folder = Path(folder)
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{config_path} not found: not a Hugging Face model folder")
+    config = ModelConfig.from_file(config_path)
+    torch_dtype, torch_device = parse_dtype(dtype), torch.device(device)
+
+    state = {
+        name: tensor.to(device=torch_device, dtype=torch_dtype)
+        for name, tensor in load_state_dict_files(folder).items()
+        if not name.endswith(_IGNORED_SUFFIXES)
+    }
+    if config.tie_word_embeddings:
+        # Tied checkpoints usually omit lm_head; if both are present the embedding wins.
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+
+    # Build on `meta` so no memory is spent on an init that the load overwrites.
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    expected = set(model.state_dict())
+    missing, unexpected = expected - state.keys(), state.keys() - expected
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint in {folder} does not match a {config.model_type} model: "
+            f"missing {sorted(missing)[:8]}, unexpected {sorted(unexpected)[:8]}"
+        )
+    model.load_state_dict(state, strict=True, assign=True)
+    model.tie_weights()  # `assign` replaced the shared Parameter by two objects
+    model.reset_rotary(torch_device)
+    model.eval().requires_grad_(False)
+    return model, config

@@ -1,0 +1,266 @@
+"""`Worker`: owns the model, the paged KV tensors and per-request state; executes `StepPlan`s.
+
+Per-request state is maintained only from the plan's diffs (see controller/messages.py):
+`finished_request_ids` drops state first, `NewRequestData` (re)creates it, `CachedRequestData`
+appends blocks. A scheduled span of `n` tokens feeds `token_ids[num_computed : num_computed + n]`
+at global positions `num_computed + i`; the request samples one token iff the span reaches the
+end of its known tokens.
+
+Bytes-moved estimate (feeds the CPU bandwidth telemetry), per step:
+    weights read   = every weight matrix once (the embedding table only for its T gathered
+                     rows, unless it doubles as lm_head)
+  + KV read        = sum over spans of context_len * kv_bytes_per_token
+  + KV written     = T * kv_bytes_per_token
+  + activations    = T * act_bytes_per_token + S * vocab * 4 (fp32 logits)
+where kv_bytes_per_token = 2 * layers * kv_size * elem and act_bytes_per_token counts, per layer,
+one write + read of each intermediate vector (norm in/out, q/k/v, attention out, gate/up/act).
+A chunk's `bytes_moved` uses the same terms for its own tokens plus its pro-rata share of weights.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+from torch import Tensor
+
+from controller.messages import (
+    CachedRequestData,
+    ChunkComplete,
+    NewRequestData,
+    SamplingParams,
+    StepPlan,
+    StepResult,
+)
+from workers.attention import AttentionMetadata, SeqSpan, allocate_kv_cache
+from workers.loader import load_model, parse_dtype
+from workers.model_config import ModelConfig
+from workers.presets import resolve_model
+from workers.sampler import Sampler, SamplingRow
+from workers.tokenizer import Tokenizer
+
+
+@dataclass
+class RequestState:
+    token_ids: list[int]  # prompt + generated, including tokens sampled by this worker
+    block_ids: list[int]
+    num_computed: int  # tokens whose K/V are in the cache
+    num_admitted_tokens: int  # len(token_ids) at admission: spans starting before are prefill
+    num_output_tokens: int
+    sampling_params: SamplingParams
+    num_chunks: int = 0  # ChunkComplete events emitted so far (next chunk_index)
+
+
+class Worker:
+    def __init__(
+        self,
+        model: str,
+        num_kv_blocks: int,
+        block_size: int,
+        dtype: torch.dtype | str = torch.float32,
+        seed: int = 0,
+        keep_logits: bool = False,
+        device: str = "cpu",
+    ) -> None:
+        # "auto" and "cuda" both fall back to CPU where no GPU is present.
+        use_cuda = device in ("auto", "cuda") or device.startswith("cuda:")
+        use_cuda = use_cuda and torch.cuda.is_available()
+        self.device = torch.device(("cuda" if device == "auto" else device) if use_cuda else "cpu")
+        self.dtype = parse_dtype(dtype)
+        self.model_path = resolve_model(model)
+        self.model, self._config = load_model(self.model_path, self.dtype, self.device)
+        self.num_kv_blocks, self.block_size = num_kv_blocks, block_size
+        cfg = self._config
+        self.kv_caches = allocate_kv_cache(
+            cfg.num_hidden_layers, num_kv_blocks, block_size, cfg.num_key_value_heads,
+            cfg.head_dim, self.dtype, self.device,
+        )
+        self.sampler = Sampler(seed)
+        self.keep_logits = keep_logits
+        self.last_logits: dict[str, Tensor] = {}  # [vocab] fp32, last token of the last span
+        self.span_logits: dict[str, Tensor] = {}  # [n, vocab] fp32, every token of that span
+        self._requests: dict[str, RequestState] = {}
+
+        elem = self.dtype.itemsize
+        self._kv_bytes_per_token = 2 * cfg.num_hidden_layers * cfg.kv_size * elem
+        per_layer = 4 * cfg.hidden_size + 2 * cfg.q_size + 2 * cfg.kv_size
+        per_layer += 3 * cfg.intermediate_size
+        self._act_bytes_per_token = 2 * cfg.num_hidden_layers * per_layer * elem
+        embed_bytes = cfg.vocab_size * cfg.hidden_size * elem
+        self._matmul_weight_bytes = self.weight_bytes - (
+            0 if cfg.tie_word_embeddings else embed_bytes
+        )
+
+    # ---- properties -------------------------------------------------------------------------
+    @property
+    def model_config(self) -> ModelConfig:
+        return self._config
+
+    @cached_property
+    def tokenizer(self) -> Tokenizer:
+        """The model folder's tokenizer, loaded on first use (workers only need ids)."""
+        return Tokenizer(self.model_path)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._config.vocab_size
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self._config.eos_token_ids
+
+    @property
+    def num_params(self) -> int:
+        # parameters() yields a tied tensor once, so it is counted once.
+        return sum(p.numel() for p in self.model.parameters())
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        """K and V of one block over all layers."""
+        return self.block_size * self._kv_bytes_per_token
+
+    @property
+    def num_active_requests(self) -> int:
+        return len(self._requests)
+
+    def held_block_ids(self) -> set[int]:
+        return {b for state in self._requests.values() for b in state.block_ids}
+
+    # ---- plan diffs -------------------------------------------------------------------------
+    def _check_blocks(self, block_ids: list[int]) -> None:
+        bad = [b for b in block_ids if not 0 <= b < self.num_kv_blocks]
+        if bad:
+            raise ValueError(f"block ids {bad[:4]} outside the pool of {self.num_kv_blocks}")
+
+    def _add_request(self, new: NewRequestData) -> None:
+        self._check_blocks(new.block_ids)
+        self._requests[new.request_id] = RequestState(
+            token_ids=list(new.token_ids),
+            block_ids=list(new.block_ids),
+            num_computed=new.num_computed_tokens,
+            num_admitted_tokens=len(new.token_ids),
+            num_output_tokens=new.num_output_tokens,
+            sampling_params=new.sampling_params,
+        )
+
+    def _update_request(self, cached: CachedRequestData) -> None:
+        state = self._state(cached.request_id)
+        self._check_blocks(cached.new_block_ids)
+        state.block_ids.extend(cached.new_block_ids)
+        # The controller's count is authoritative (it may roll back a timed-out chunk).
+        if cached.num_computed_tokens > len(state.token_ids):
+            raise ValueError(f"{cached.request_id}: num_computed beyond the known tokens")
+        state.num_computed = cached.num_computed_tokens
+
+    def _state(self, request_id: str) -> RequestState:
+        try:
+            return self._requests[request_id]
+        except KeyError:
+            raise KeyError(f"worker holds no request {request_id!r}") from None
+
+    # ---- execution --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        start_time = time.perf_counter()
+        for request_id in plan.finished_request_ids:  # first: a preempted id may come back new
+            self._requests.pop(request_id, None)
+        for new in plan.new_requests:
+            self._add_request(new)
+        for cached in plan.cached_requests:
+            self._update_request(cached)
+
+        input_ids: list[int] = []
+        positions: list[int] = []
+        spans: dict[str, SeqSpan] = {}
+        for request_id, num_tokens in plan.num_scheduled_tokens.items():
+            if num_tokens <= 0:
+                continue
+            state = self._state(request_id)
+            begin, end = state.num_computed, state.num_computed + num_tokens
+            if end > len(state.token_ids):
+                raise ValueError(
+                    f"{request_id}: scheduled up to token {end}, only {len(state.token_ids)} known"
+                )
+            if end > self._config.max_model_len:
+                raise ValueError(
+                    f"{request_id}: {end} tokens exceed max_model_len {self._config.max_model_len}"
+                )
+            spans[request_id] = SeqSpan(len(input_ids), num_tokens, end, state.block_ids)
+            input_ids.extend(state.token_ids[begin:end])
+            positions.extend(range(begin, end))
+        if not spans:
+            return StepResult(step_id=plan.step_id, elapsed_s=time.perf_counter() - start_time)
+
+        meta = AttentionMetadata.build(list(spans.values()), self.block_size, self.device)
+        ids_t = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
+        pos_t = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        hidden = self.model(ids_t, pos_t, meta, self.kv_caches)  # [T, hidden]
+
+        sampling_ids = [
+            rid for rid, span in spans.items()
+            if span.context_len == len(self._requests[rid].token_ids)
+        ]
+        last_rows = [spans[r].query_start + spans[r].num_query_tokens - 1 for r in sampling_ids]
+        if self.keep_logits:
+            all_logits = self.model.compute_logits(hidden)  # [T, vocab]
+            for rid, span in spans.items():
+                rows = all_logits[span.query_start : span.query_start + span.num_query_tokens]
+                self.span_logits[rid] = rows.cpu()
+                self.last_logits[rid] = rows[-1].cpu()
+            logits = all_logits[last_rows]
+        else:
+            logits = self.model.compute_logits(hidden[last_rows])  # [S, vocab]
+        rows = [
+            SamplingRow(self._requests[rid].sampling_params, self._requests[rid].num_output_tokens)
+            for rid in sampling_ids
+        ]
+        sampled = dict(zip(sampling_ids, self.sampler(logits, rows), strict=True))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        elapsed_s = time.perf_counter() - start_time
+        return self._finish_step(plan, spans, sampled, elapsed_s)
+
+    def _finish_step(
+        self, plan: StepPlan, spans: dict[str, SeqSpan], sampled: dict[str, int], elapsed_s: float
+    ) -> StepResult:
+        num_tokens = sum(span.num_query_tokens for span in spans.values())
+        result = StepResult(step_id=plan.step_id, elapsed_s=elapsed_s, num_tokens=num_tokens)
+        total_bytes = self._matmul_weight_bytes + len(sampled) * self.vocab_size * 4
+        for request_id, span in spans.items():
+            state = self._requests[request_id]
+            begin = span.context_len - span.num_query_tokens
+            span_bytes = self._span_bytes(span)
+            total_bytes += span_bytes
+            if span.num_query_tokens > 1 or begin < state.num_admitted_tokens:
+                weight_share = self._matmul_weight_bytes * span.num_query_tokens // num_tokens
+                result.chunk_events.append(
+                    ChunkComplete(
+                        request_id=request_id,
+                        chunk_index=state.num_chunks,
+                        start=begin,
+                        num_tokens=span.num_query_tokens,
+                        elapsed_s=elapsed_s,
+                        bytes_moved=span_bytes + weight_share,
+                    )
+                )
+                state.num_chunks += 1
+            state.num_computed = span.context_len
+            token = sampled.get(request_id)
+            result.sampled_token_ids[request_id] = [] if token is None else [token]
+            if token is not None:
+                state.token_ids.append(token)
+                state.num_output_tokens += 1
+        result.bytes_moved = total_bytes
+        return result
+
+    def _span_bytes(self, span: SeqSpan) -> int:
+        """KV read + KV written + activations of one span (weights excluded)."""
+        kv = (span.context_len + span.num_query_tokens) * self._kv_bytes_per_token
+        embed_row = self._config.hidden_size * self.dtype.itemsize
+        return kv + span.num_query_tokens * (self._act_bytes_per_token + embed_row)
