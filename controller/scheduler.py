@@ -12,13 +12,13 @@ ahead of every later arrival of its priority. Waiting requests never preempt.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from controller.messages import CachedRequestData, CacheEvict, NewRequestData, StepPlan, StepResult
 from controller.request import Request, RequestOutput, RequestStatus
+from controller.tenants import TenantStats, seq_cap, split_budget
 from kvcache.manager import KVCacheManager
 
 
@@ -28,6 +28,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256  # running requests at most
     max_chunk_tokens: int | None = None  # cap on one prefill chunk; None = the budget
     max_concurrent_chunks: int = 4  # prefill chunks per step (flow control lowers it)
+    tenant_weights: dict[str, float] = field(default_factory=dict)  # absent tenant: 1.0
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
@@ -48,6 +49,7 @@ class SchedulerStats:
 
 
 _RUNNING = (RequestStatus.PREFILL_CHUNKING, RequestStatus.DECODING)
+_SCHEDULABLE = (*_RUNNING, RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
 
 class Scheduler:
@@ -58,13 +60,14 @@ class Scheduler:
         self.block_size = kv.block_size
         self.clock = clock or (lambda: 0.0)
         self.requests: dict[str, Request] = {}
-        self.waiting: list[tuple[tuple[int, int], str]] = []  # heap of (sort_key, id)
+        self.waiting: dict[str, Request] = {}  # ordered by sort_key when scheduling
         self.running: list[Request] = []  # admission order
         self._arrivals = itertools.count()
         self._step_ids = itertools.count()
         self._worker_known: dict[str, int] = {}  # request id -> blocks already sent
         self._finished_ids: set[str] = set()  # to tell the worker next plan
         self.stats = SchedulerStats()
+        self.tenant_stats = TenantStats()
         # Set by flow control before `schedule()` (controller/flow.py): prefill chunks
         # allowed this step (0 = decodes only), and a smaller chunk size when degraded.
         self.chunk_limit: int | None = None
@@ -86,7 +89,7 @@ class Scheduler:
         request.arrival_seq = next(self._arrivals)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
-        heapq.heappush(self.waiting, (request.sort_key, request.request_id))
+        self.waiting[request.request_id] = request
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         request = self.requests.get(request_id)
@@ -97,7 +100,7 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return sum(1 for _, rid in self.waiting if rid in self.requests)
+        return len(self.waiting)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -111,67 +114,109 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         plan = StepPlan(step_id=next(self._step_ids))
         scheduled: dict[str, int] = {}
-        num_chunks = 0
+        num_preemptions_before = self.stats.num_preemptions
+
+        # 1: decodes, 1 token each, before any prefill.
+        for request in [r for r in self.running if r.is_decoding]:
+            if budget == 0:
+                break
+            if request.status not in _RUNNING:
+                continue  # preempted as a victim earlier in this loop
+            if self._allocate_or_preempt(request, 1, scheduled):
+                scheduled[request.request_id] = 1
+                budget -= 1
+                self.tenant_stats.add(request.tenant, 1, is_prefill=False)
+
+        # 2 + 3: partial prefills, then admissions; admissions only if nothing was
+        # preempted this step (a preemption means the pool is full: admitting would thrash).
         max_chunks = self.config.max_concurrent_chunks
         if self.chunk_limit is not None:
             max_chunks = min(max_chunks, self.chunk_limit)
-        num_preemptions_before = self.stats.num_preemptions
-
-        # 1 + 2: running requests, decodes before partial prefills.
-        decodes = [r for r in self.running if r.is_decoding]
-        prefills = [r for r in self.running if not r.is_decoding]
-        for request in decodes + prefills:
-            if request.status not in _RUNNING or budget == 0:
-                continue  # preempted as a victim earlier in this loop
-            if request.is_decoding:
-                num_new = 1
-            else:
-                if num_chunks >= max_chunks:
-                    continue
-                num_new = self._chunk_len(request, budget)
-                if num_new == 0:
-                    continue
-            if not self._allocate_or_preempt(request, num_new, scheduled):
-                continue
-            scheduled[request.request_id] = num_new
-            budget -= num_new
-            num_chunks += 0 if request.is_decoding else 1
-
-        # 3: waiting requests, only if nothing was preempted this step (a preemption
-        # means the pool is full: admitting others would thrash).
-        while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
-               and num_chunks < max_chunks
-               and self.stats.num_preemptions == num_preemptions_before):
-            _, request_id = self.waiting[0]
-            request = self.requests.get(request_id)
-            if request is None or request.status not in (RequestStatus.WAITING,
-                                                         RequestStatus.PREEMPTED):
-                heapq.heappop(self.waiting)  # aborted or stale entry
-                continue
-            computed = self.kv.get_computed_blocks(request.all_token_ids)
-            num_computed = len(computed) * self.block_size
-            request.num_computed_tokens = num_computed
-            num_new = self._chunk_len(request, budget)
-            if num_new == 0:
-                break
-            if self.kv.allocate_slots(request_id, num_computed + num_new, computed) is None:
-                request.num_computed_tokens = 0
-                break
-            heapq.heappop(self.waiting)
-            if request.num_preemptions == 0:  # hits after a preemption are our own blocks
-                request.num_cached_tokens = num_computed
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = self.clock()
-            request.status = RequestStatus.PREFILL_CHUNKING
-            self.running.append(request)
-            scheduled[request_id] = num_new
-            budget -= num_new
-            num_chunks += 1
+        if budget > 0 and max_chunks > 0:
+            self._schedule_prefills(budget, max_chunks, scheduled, num_preemptions_before)
 
         self._fill_plan(plan, scheduled)
         self.stats.num_steps += 1
         self.stats.num_scheduled_tokens += plan.total_num_scheduled_tokens
         return plan
+
+    def _schedule_prefills(self, budget: int, max_chunks: int, scheduled: dict[str, int],
+                           num_preemptions_before: int) -> None:
+        """Prefill chunks within `budget`: running partial prefills first (they hold
+        blocks), then waiting requests by (priority, arrival); split by tenant share when
+        several tenants compete, unused shares lent in a second pass."""
+        def may_admit() -> bool:
+            return self.stats.num_preemptions == num_preemptions_before
+
+        partial = [r for r in self.running if not r.is_decoding]
+        waiting = sorted(self.waiting.values(), key=lambda r: r.sort_key) if may_admit() else []
+        candidates = partial + waiting
+        weights = self.config.tenant_weights
+        shares = split_budget(budget, (r.tenant for r in candidates), weights)
+        waiting_tenants = {r.tenant for r in waiting}
+        num_chunks, admission_blocked = 0, False
+        for lending in (False, True):
+            for request in candidates:
+                if budget == 0 or num_chunks >= max_chunks:
+                    return
+                if request.request_id in scheduled or request.status not in _SCHEDULABLE:
+                    continue
+                limit = budget if lending or shares is None else min(
+                    budget, shares[request.tenant].left)
+                if limit <= 0:
+                    continue
+                if request.status in _RUNNING:
+                    num_new = self._chunk_len(request, limit)
+                    if num_new == 0 or not self._allocate_or_preempt(request, num_new,
+                                                                     scheduled):
+                        continue
+                else:
+                    if (admission_blocked or not may_admit()
+                            or not self._may_admit(request, waiting_tenants)):
+                        continue
+                    num_new = self._admit(request, limit)
+                    if num_new == 0:
+                        # FCFS: a later, smaller request must not overtake the head
+                        # forever, so admission stops for this step.
+                        admission_blocked = True
+                        continue
+                scheduled[request.request_id] = num_new
+                budget -= num_new
+                num_chunks += 1
+                if shares is not None:
+                    shares[request.tenant].used += num_new
+                self.tenant_stats.add(request.tenant, num_new, is_prefill=True)
+            if shares is None:
+                return
+
+    def _may_admit(self, request: Request, waiting_tenants: set[str]) -> bool:
+        if len(self.running) >= self.config.max_num_seqs:
+            return False
+        others = waiting_tenants - {request.tenant}
+        if not others:
+            return True
+        num_own = sum(1 for r in self.running if r.tenant == request.tenant)
+        return num_own < seq_cap(self.config.max_num_seqs, request.tenant, waiting_tenants,
+                                 self.config.tenant_weights)
+
+    def _admit(self, request: Request, limit: int) -> int:
+        """Move a waiting request to running with its first chunk; 0 when it cannot."""
+        computed = self.kv.get_computed_blocks(request.all_token_ids)
+        num_computed = len(computed) * self.block_size
+        request.num_computed_tokens = num_computed
+        num_new = self._chunk_len(request, limit)
+        if num_new == 0 or self.kv.allocate_slots(
+                request.request_id, num_computed + num_new, computed) is None:
+            request.num_computed_tokens = 0
+            return 0
+        del self.waiting[request.request_id]
+        if request.num_preemptions == 0:  # hits after a preemption are our own blocks
+            request.num_cached_tokens = num_computed
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = self.clock()
+        request.status = RequestStatus.PREFILL_CHUNKING
+        self.running.append(request)
+        return num_new
 
     def _chunk_len(self, request: Request, budget: int) -> int:
         """Next chunk: min(remaining, budget, chunk cap), its end on the block grid.
@@ -208,7 +253,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
-        heapq.heappush(self.waiting, (request.sort_key, request.request_id))
+        self.waiting[request.request_id] = request
 
     def _release(self, request: Request) -> None:
         num_freed = self.kv.free(request.request_id)
@@ -267,6 +312,7 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
+        self.waiting.pop(request.request_id, None)
         if request in self.running:
             self.running.remove(request)
         self._release(request)
