@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict, deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from cluster.config import TokenflowConfig
-from controller.core import ControllerCore, PoolSpec
+from controller.core import ControllerCore, Event, PoolSpec
+from controller.events import DoubleBufferedEventQueue
 from controller.messages import SamplingParams, StepPlan, StepResult
 from controller.request import RequestOutput
 
@@ -29,7 +30,8 @@ class Completion:
 
 
 class LocalEngine:
-    def __init__(self, config: TokenflowConfig | None = None, **overrides: object):
+    def __init__(self, config: TokenflowConfig | None = None,
+                 clock: Callable[[], float] | None = None, **overrides: object):
         from workers.worker import Worker  # torch stays out of torch-free importers
 
         self.config = config or TokenflowConfig(**overrides)  # type: ignore[arg-type]
@@ -41,7 +43,8 @@ class LocalEngine:
             [PoolSpec(cfg.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching)],
             cfg.scheduler_config(), eos_token_ids=tuple(self.worker.eos_token_ids),
             max_model_len=cfg.max_model_len, max_queue_len=cfg.max_queue_len,
-            clock=time.monotonic)
+            clock=clock or time.monotonic, **cfg.core_options())
+        self.events: DoubleBufferedEventQueue[Event] = DoubleBufferedEventQueue()
         self._pending: dict[str, deque[RequestOutput]] = defaultdict(deque)
         self.step_log: list[tuple[StepPlan, StepResult]] = []  # kept only when asked
         self.keep_step_log = False
@@ -66,6 +69,7 @@ class LocalEngine:
         out = self.core.abort(request_id)
         if out is not None:
             self._pending[request_id].append(out)
+            self.events.extend(self.core.take_events(0))
 
     # -- stepping ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -76,7 +80,12 @@ class LocalEngine:
         result = self.worker.execute(plan)
         if self.keep_step_log:
             self.step_log.append((plan, result))
-        return self.core.apply(0, plan, result)
+        outputs = self.core.apply(0, plan, result)
+        # Events of this step and evicts of aborts in between go through the double
+        # buffer, as in the Ray controller; flow control sees them before the next plan.
+        self.events.extend(self.core.take_events(0, result))
+        outputs += self.core.handle_events(0, self.events.drain())
+        return outputs
 
     def has_unfinished(self) -> bool:
         return self.core.has_unfinished()

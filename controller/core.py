@@ -12,7 +12,14 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from controller.messages import SamplingParams, StepPlan, StepResult
+from controller.flow import FlowConfig, FlowControl
+from controller.messages import CacheEvict, ChunkComplete, SamplingParams, StepPlan, StepResult
+from controller.protections import (
+    CostModel,
+    ProtectionConfig,
+    Protections,
+    per_token_cost_model,
+)
 from controller.request import Request, RequestOutput
 from controller.scheduler import Scheduler, SchedulerConfig
 from kvcache.block_pool import BlockPool
@@ -28,6 +35,18 @@ class PoolSpec:
     enable_prefix_caching: bool = True
 
 
+Event = ChunkComplete | CacheEvict
+
+
+@dataclass(frozen=True)
+class DegradedConfig:
+    """The degraded path: keep serving with the smallest chunk, one prefill at a time."""
+
+    chunk_tokens: int | None = None  # None: one KV block
+    num_chunks: int = 1
+    after_paused_s: float = 30.0  # PREFILL_PAUSED this long with work waiting: degrade
+
+
 class QueueFullError(RuntimeError):
     """Every worker's waiting queue is at `max_queue_len`: the edge answers 429."""
 
@@ -35,7 +54,11 @@ class QueueFullError(RuntimeError):
 class ControllerCore:
     def __init__(self, pools: list[PoolSpec], scheduler_config: SchedulerConfig,
                  eos_token_ids: tuple[int, ...] = (), max_model_len: int | None = None,
-                 max_queue_len: int = 1 << 30, clock: Callable[[], float] | None = None):
+                 max_queue_len: int = 1 << 30, clock: Callable[[], float] | None = None,
+                 flow_config: FlowConfig | None = None,
+                 protection_config: ProtectionConfig | None = None,
+                 cost_model: CostModel | None = None,
+                 degraded_config: DegradedConfig | None = None):
         if not pools:
             raise ValueError("at least one worker is needed")
         self.clock = clock or (lambda: 0.0)
@@ -50,6 +73,12 @@ class ControllerCore:
             for p in pools]
         self.request_to_worker: dict[str, int] = {}
         self._ids = itertools.count()
+        self.flows = [FlowControl(flow_config) for _ in pools]
+        cost_model = cost_model or per_token_cost_model(1e-4)
+        self.protections = [Protections(protection_config or ProtectionConfig(), cost_model)
+                            for _ in pools]
+        self.degraded_config = degraded_config or DegradedConfig()
+        self.degraded = [False] * len(pools)
 
     @property
     def num_workers(self) -> int:
@@ -101,14 +130,70 @@ class ControllerCore:
 
     # -- stepping ---------------------------------------------------------------------
     def schedule(self, worker: int) -> StepPlan:
-        return self.schedulers[worker].schedule()
+        """Plan a step within the limits flow control and the protections set now."""
+        sched, flow = self.schedulers[worker], self.flows[worker]
+        now = self.clock()
+        paused_too_long = (flow.paused_since is not None
+                           and now - flow.paused_since >= self.degraded_config.after_paused_s)
+        degraded = self.protections[worker].is_degraded(now) or paused_too_long
+        self.degraded[worker] = degraded
+        if degraded:  # everything else tripped: still serve, smallest chunk, one at a time
+            sched.chunk_limit = self.degraded_config.num_chunks
+            sched.chunk_cap_override = self.degraded_config.chunk_tokens or sched.block_size
+        else:
+            sched.chunk_limit = flow.max_concurrent_chunks
+            sched.chunk_cap_override = None
+        sched.progress_guard = not flow.paused
+        return sched.schedule()
 
     def apply(self, worker: int, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
-        outputs = self.schedulers[worker].update_from_output(plan, result)
+        """Apply a worker's result; the step's events come from `take_events`."""
+        sched = self.schedulers[worker]
+        outputs = sched.update_from_output(plan, result)
+        now = self.clock()
+        flow = self.flows[worker]
+        flow.on_kv_usage(sched.kv.pool.usage, now)
+        if result.bandwidth_utilization is not None:
+            flow.on_bandwidth(result.bandwidth_utilization, now)
         for out in outputs:
+            if out.num_output_tokens == 1 and out.new_token_ids:
+                self.protections[worker].on_prefill_done(out.request_id)
             if out.finished:
                 self.request_to_worker.pop(out.request_id, None)
+                self.protections[worker].forget(out.request_id)
         return outputs
+
+    def take_events(self, worker: int, result: StepResult | None = None) -> list[Event]:
+        """The step's `chunk_complete` events and every `cache_evict` since the last call,
+        for the worker's double-buffered event queue."""
+        evicts = self.schedulers[worker].stats.cache_evicts
+        events: list[Event] = list(result.chunk_events) if result is not None else []
+        events.extend(evicts)
+        evicts.clear()
+        return events
+
+    def handle_events(self, worker: int, events: list[Event]) -> list[RequestOutput]:
+        """Feed drained events to flow control and the protections; returns the outputs
+        of requests a protection aborted (their blocks are already released)."""
+        now = self.clock()
+        flow, protections = self.flows[worker], self.protections[worker]
+        aborted: list[RequestOutput] = []
+        for event in events:
+            if isinstance(event, CacheEvict):
+                flow.on_cache_evict(event, now)
+                continue
+            flow.on_chunk_complete(event, now)
+            error = protections.on_chunk_complete(event, now)
+            if error is not None:
+                out = self.abort(event.request_id)
+                if out is not None:
+                    out.error = error
+                    aborted.append(out)
+        # Aborts release blocks: their evicts go to flow control at once (no lost wake-up).
+        for event in self.take_events(worker):
+            if isinstance(event, CacheEvict):
+                flow.on_cache_evict(event, now)
+        return aborted
 
     def has_work(self, worker: int) -> bool:
         return self.schedulers[worker].has_work()

@@ -82,6 +82,7 @@ class FlowControl:
         self.cache_pressure = False
         self.throttle_level = 0  # 0 none, 2 -> 2 chunks, 1 -> 1 chunk (seed's naming)
         self.paused = False
+        self.paused_since: float | None = None
         self.kv_usage = 0.0
         self._samples: deque[tuple[float, float]] = deque()
         self._above_enter, self._above_hard = _Held(), _Held()
@@ -152,10 +153,10 @@ class FlowControl:
         elif self.throttle_level and held_exit >= cfg.throttle_hold_s:
             self.throttle_level = 0
         held_pause = self._above_pause.update(avg > cfg.pause_enter, now)
-        if held_pause >= cfg.pause_hold_s:
-            self.paused = True
+        if held_pause >= cfg.pause_hold_s and not self.paused:
+            self.paused, self.paused_since = True, now
         elif self.paused and avg < cfg.pause_exit:  # 98 % in, 90 % out: no flapping
-            self.paused = False
+            self.paused, self.paused_since = False, None
 
     def _settle(self, now: float, reason: str) -> None:
         if self.paused:

@@ -104,3 +104,6 @@ class StepResult:
     elapsed_s: float = 0.0  # worker compute time for the step
     bytes_moved: int = 0  # estimate: weights + KV read/written + activations
     num_tokens: int = 0
+    # The worker's telemetry sample for this step (workers/telemetry.py), 0..1 of peak
+    # memory bandwidth; None when the worker has no telemetry source.
+    bandwidth_utilization: float | None = None

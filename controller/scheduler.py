@@ -72,6 +72,10 @@ class Scheduler:
         # allowed this step (0 = decodes only), and a smaller chunk size when degraded.
         self.chunk_limit: int | None = None
         self.chunk_cap_override: int | None = None
+        # With prefill stopped and nothing decoding, let one running prefill continue
+        # (cache pressure: only finishing requests free blocks). Flow control clears it
+        # in PREFILL_PAUSED, which recovers from telemetry alone.
+        self.progress_guard = True
 
     # -- requests ----------------------------------------------------------------
     @property
@@ -132,8 +136,16 @@ class Scheduler:
         max_chunks = self.config.max_concurrent_chunks
         if self.chunk_limit is not None:
             max_chunks = min(max_chunks, self.chunk_limit)
+        allow_admission = True
+        if (max_chunks == 0 and self.progress_guard and not scheduled
+                and any(r.status in _RUNNING for r in self.running)):
+            # Flow control stopped prefill, but nothing decodes: no step would ever free
+            # a block (deadlock). The running prefills continue one chunk a step, so they
+            # reach decode and finish; nobody new is admitted.
+            max_chunks, allow_admission = 1, False
         if budget > 0 and max_chunks > 0:
-            self._schedule_prefills(budget, max_chunks, scheduled, num_preemptions_before)
+            self._schedule_prefills(budget, max_chunks, scheduled,
+                                    num_preemptions_before if allow_admission else -1)
 
         self._fill_plan(plan, scheduled)
         self.stats.num_steps += 1
