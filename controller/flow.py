@@ -16,10 +16,13 @@ themselves (injectable), never from a wall clock read here.
 from __future__ import annotations
 
 import enum
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
 from controller.messages import CacheEvict, ChunkComplete
+
+logger = logging.getLogger("tokenflow.flow")
 
 
 class Mode(enum.IntEnum):  # ordered by restrictiveness
@@ -87,7 +90,7 @@ class FlowControl:
         self._samples: deque[tuple[float, float]] = deque()
         self._above_enter, self._above_hard = _Held(), _Held()
         self._below_exit, self._above_pause = _Held(), _Held()
-        self.log: list[Transition] = []
+        self.log: deque[Transition] = deque(maxlen=1024)  # recent transitions
         self.stats = FlowStats()
         self._mode = Mode.NORMAL
 
@@ -168,6 +171,7 @@ class FlowControl:
         else:
             mode = Mode.NORMAL
         if mode != self._mode:
+            logger.info("flow mode %s -> %s (%s)", self._mode.name, mode.name, reason)
             self.log.append(Transition(now, self._mode, mode, reason))
             self.stats.transitions += 1
             self.stats.mode_to_count[mode.name] = self.stats.mode_to_count.get(mode.name, 0) + 1

@@ -143,6 +143,23 @@ class BlockPool:
         block.block_hash = block_hash
         self._hash_to_block_id[block_hash] = block_id
 
+    def relocate(self, src: int, dst: int) -> None:
+        """Move a used block's identity (refs, hash) to a unused slot; defragmentation.
+        A cached-free `dst` loses its cached content, a free one leaves the free list."""
+        source, target = self.blocks[src], self.blocks[dst]
+        assert source.ref_count > 0 and target.ref_count == 0
+        if target.block_hash is not None:  # evict the cached content living in dst
+            del self._cached_free[target.block_hash]
+            del self._hash_to_block_id[target.block_hash]
+            target.block_hash = None
+        else:
+            self._free_ids.remove(dst)
+        target.ref_count, source.ref_count = source.ref_count, 0
+        target.block_hash, source.block_hash = source.block_hash, None
+        if target.block_hash is not None:
+            self._hash_to_block_id[target.block_hash] = dst
+        self._free_ids.append(src)
+
     # -- invariants --------------------------------------------------------------
     def check_integrity(self) -> None:
         """Raise AssertionError when the three sets do not partition the pool."""

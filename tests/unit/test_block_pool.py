@@ -51,3 +51,25 @@ def test_failed_allocation_changes_nothing():
     assert kv.allocate_slots("b", 1) is None
     assert kv.block_ids("b") == []
     pool.check_integrity()
+
+
+def test_compaction_moves_top_blocks_down_and_remaps_tables():
+    from kvcache.defrag import fragmentation, plan_compaction
+
+    pool = BlockPool(num_blocks=10, block_size=2, enable_prefix_caching=True)
+    kv = KVCacheManager(pool)
+    for rid in "abcde":
+        kv.allocate_slots(rid, 4)  # 2 blocks each: a=[0,1] ... e=[8,9]
+    kv.cache_full_blocks("e", [1, 2, 3, 4], 4)
+    for rid in "abc":
+        kv.free(rid)
+    assert pool.num_used == 4 and fragmentation(pool) == 1.0  # d, e live in 6..9
+    moves = plan_compaction(kv, max_moves=8)
+    assert sorted(moves.values()) == [0, 1, 2, 3] and fragmentation(pool) == 0.0
+    assert all(b < 4 for rid in "de" for b in kv.block_ids(rid))
+    pool.check_integrity()
+    # the prefix cache follows the move
+    assert len(kv.get_computed_blocks([1, 2, 3, 4, 5])) == 2
+    kv.free("d")
+    kv.free("e")
+    pool.check_integrity()
