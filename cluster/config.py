@@ -6,13 +6,17 @@ code. Components take the slices they need (`scheduler_config()`, ...).
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Literal
+
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from controller.core import DegradedConfig
 from controller.flow import FlowConfig
 from controller.options import ControllerOptions
-from controller.protections import ProtectionConfig, per_token_cost_model
+from controller.policies import make_scheduler_class
+from controller.protections import CostModel, ProtectionConfig, per_token_cost_model
 from controller.scheduler import SchedulerConfig
 
 
@@ -49,6 +53,12 @@ class TokenflowConfig(BaseSettings):
         "Cap on one prefill chunk; None means the whole budget."))
     max_concurrent_chunks: int = Field(4, ge=1, description=(
         "Prefill chunks per step in NORMAL mode (seed 000: 4 in parallel)."))
+    scheduling_policy: Literal["tokenflow", "prefill-first", "prefill-priority-chunked"] = Field(
+        "tokenflow", description=(
+            "tokenflow: decode-first unified budget with flow control. The others exist to "
+            "be measured against: prefill-first (vLLM V0: whole prompts in prefill-only "
+            "steps) and prefill-priority-chunked (nano-vllm: only a step's first prefill "
+            "is cut; prefill and decode never share a step)."))
     max_model_len: int = Field(8192, ge=1, description="Prompt + output tokens at most.")
     default_max_tokens: int = Field(256, ge=1, description=(
         "max_tokens when a request does not set it."))
@@ -133,10 +143,59 @@ class TokenflowConfig(BaseSettings):
     ingress_num_cpus: float = Field(0.25, ge=0, description=(
         "Ray CPUs reserved per Serve ingress replica (tokenization, SSE)."))
     ingress_num_replicas: int = Field(1, ge=1, description="Serve ingress replicas.")
+    ingress_max_ongoing_requests: int = Field(4096, ge=1, description=(
+        "Requests one ingress replica holds at once (Serve's default of 5 would queue "
+        "every further stream at the proxy, defeating continuous batching)."))
     retry_after_s: int = Field(1, ge=0, description=(
         "Retry-After header (seconds) of a 429 answer when the request queues are full."))
     batch_max_in_flight: int = Field(256, ge=1, description=(
         "Requests a batch job on the cluster keeps outstanding at once (`ray job submit`)."))
+
+    # -- token budget calibration (seed 000 §3, DESIGN.md "Token budget") -------------
+    budget_file: Path | None = Field(None, description=(
+        "Budget table written by `tokenflow calibrate`. When set, max_num_batched_tokens and "
+        "max_chunk_tokens come from its recommendation for itl_slo_ms (the table wins)."))
+    itl_slo_ms: float = Field(100.0, gt=0, description=(
+        "Inter-token-latency SLO (ms) the budget is planned for: no step predicted longer."))
+    weight_bits: int | None = Field(None, ge=1, le=32, description=(
+        "Bits per weight in the bandwidth constraint (INT4/INT8 scale the weight term by "
+        "bits/16); None: the dtype's bits."))
+    kernel_tile_tokens: int = Field(16, ge=1, description=(
+        "Query tile of the attention kernel: chunk sizes are multiples of it and of "
+        "block_size, and every cost pads token counts up to it."))
+    bandwidth_headroom: float = Field(0.15, ge=0, lt=1, description=(
+        "Share of the measured memory bandwidth a step leaves free (seed 000: >= 15 %)."))
+    budget_chunk_efficiency: float = Field(0.9, gt=0, le=1, description=(
+        "Chunk size: the smallest grid size reaching this share of the best predicted "
+        "prefill throughput within the budget (smaller chunks pay the per-step cost often)."))
+    budget_plan_context_tokens: int | None = Field(None, ge=0, description=(
+        "Context depth the budget is planned at; None: the deepest calibrated depth."))
+    budget_plan_decodes: int | None = Field(None, ge=0, description=(
+        "Decodes a step may carry besides its chunk when the budget is planned (every mix "
+        "up to this stays under the SLO); None: the largest calibrated decode batch."))
+    calib_warmup: int = Field(5, ge=0, description=(
+        "Calibration runs discarded per point (seed 000 pitfall 9: 5)."))
+    calib_iters: int = Field(20, ge=1, description=(
+        "Calibration runs averaged per point after the warm-up (seed 000: 20)."))
+    calib_max_tokens: int = Field(8192, ge=1, description=(
+        "Largest prefill chunk calibrated; the grid doubles from the chunk unit up to it."))
+    calib_contexts: tuple[int, ...] = Field((0, 1024, 4096), description=(
+        "Context depths the prefill chunks are calibrated at (JSON list in the env)."))
+    calib_decode_batches: tuple[int, ...] = Field((1, 8, 32), description=(
+        "Decode batch sizes calibrated (JSON list in the env)."))
+    calib_decode_contexts: tuple[int, ...] = Field((128, 1024), description=(
+        "Cached tokens per request in the decode calibration: at least two depths, so the "
+        "per-token and per-pair decode costs can be told apart (JSON list in the env)."))
+    calib_matmul_size: int = Field(2048, ge=1, description=(
+        "Edge of the square GEMM whose FLOP/s is the compute constraint's peak (large enough "
+        "to saturate the device: 2048 suits a CPU, a large GPU wants 8192)."))
+    calib_bandwidth_bytes: int = Field(256 * 2**20, ge=1, description=(
+        "Buffer copied by the memory-bandwidth probe; must be far above the last-level cache."))
+    calib_memory_fraction: float = Field(0.9, gt=0, le=1, description=(
+        "Share of the device's total memory that weights plus KV blocks may take."))
+    calib_check_tolerance: float = Field(0.10, gt=0, description=(
+        "`tokenflow calibrate --check` fails when a quantity drifted more than this "
+        "(symmetric: max(new/old, old/new) - 1) from the table."))
 
     @model_validator(mode="after")
     def _check(self) -> TokenflowConfig:
@@ -163,13 +222,30 @@ class TokenflowConfig(BaseSettings):
         return int(self.max_prefill_tokens * self.circuit_breaker_factor)
 
     def scheduler_config(self) -> SchedulerConfig:
+        budget, chunk = self.max_num_batched_tokens, self.max_chunk_tokens
+        if self.budget_file is not None:
+            from controller.budget import BudgetTable  # numpy only where a table is used
+
+            budget, chunk = BudgetTable.load(self.budget_file).recommend(
+                self.itl_slo_ms, block_size=self.block_size,
+                kv_capacity_tokens=self.num_kv_blocks * self.block_size,
+                context=self.budget_plan_context_tokens, decodes=self.budget_plan_decodes)
         return SchedulerConfig(
-            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_batched_tokens=budget,
             max_num_seqs=self.max_num_seqs,
-            max_chunk_tokens=self.max_chunk_tokens,
+            max_chunk_tokens=chunk,
             max_concurrent_chunks=self.max_concurrent_chunks,
             tenant_weights=dict(self.tenant_weights),
         )
+
+    def cost_model(self) -> CostModel:
+        """predict(tokens, context) -> s: the budget table's fitted model when budget_file is
+        set (deviation warnings and budget_score then compare against measurements)."""
+        if self.budget_file is None:
+            return per_token_cost_model(self.seconds_per_token)
+        from controller.budget import BudgetTable
+
+        return BudgetTable.load(self.budget_file).predict
 
     def core_options(self) -> dict:
         """Flow control, protections and degraded path for `ControllerCore`."""
@@ -191,7 +267,8 @@ class TokenflowConfig(BaseSettings):
         degraded = DegradedConfig(chunk_tokens=self.degraded_chunk_tokens or self.block_size,
                                   after_paused_s=self.degrade_after_paused_s)
         return dict(flow_config=flow, protection_config=protections, degraded_config=degraded,
-                    cost_model=per_token_cost_model(self.seconds_per_token))
+                    cost_model=self.cost_model(),
+                    scheduler_cls=make_scheduler_class(self.scheduling_policy))
 
     def controller_options(self) -> ControllerOptions:
         """The controller actor's slice (it does not import this module)."""

@@ -55,7 +55,10 @@ class TextStream:
         """Flush text held back for a possible stop string once generation has ended."""
         if self.stopped:
             return ""
-        delta = self.matcher.flush()
+        # A trailing partial UTF-8 character comes out as U+FFFD, as a full decode gives.
+        delta, self.stopped = self.matcher.feed(self.detok.flush())
+        if not self.stopped:
+            delta += self.matcher.flush()
         self.text += delta
         return delta
 

@@ -58,7 +58,8 @@ class ControllerCore:
                  flow_config: FlowConfig | None = None,
                  protection_config: ProtectionConfig | None = None,
                  cost_model: CostModel | None = None,
-                 degraded_config: DegradedConfig | None = None):
+                 degraded_config: DegradedConfig | None = None,
+                 scheduler_cls: type[Scheduler] = Scheduler):
         if not pools:
             raise ValueError("at least one worker is needed")
         self.clock = clock or (lambda: 0.0)
@@ -66,13 +67,14 @@ class ControllerCore:
         self.max_model_len = max_model_len
         self.max_queue_len = max_queue_len
         self.schedulers = [
-            Scheduler(scheduler_config,
+            scheduler_cls(scheduler_config,
                       KVCacheManager(BlockPool(p.num_blocks, p.block_size,
                                                p.enable_prefix_caching)),
                       clock=self.clock)
             for p in pools]
         self.request_to_worker: dict[str, int] = {}
         self._ids = itertools.count()
+        self._next_tie = 0
         self.flows = [FlowControl(flow_config) for _ in pools]
         cost_model = cost_model or per_token_cost_model(1e-4)
         self.protections = [Protections(protection_config or ProtectionConfig(), cost_model)
@@ -112,15 +114,19 @@ class ControllerCore:
         if not candidates:
             raise QueueFullError("all request queues are full")
 
-        def score(w: int) -> tuple[int, float]:
+        def score(w: int) -> tuple[int, float, int]:
             sched = self.schedulers[w]
             hits = len(sched.kv.get_computed_blocks(request.prompt_token_ids, count=False)) \
                 if sched.kv.pool.enable_prefix_caching else 0
             queued = sum(r.num_tokens_to_compute for r in sched.requests.values())
             load = sched.kv.pool.usage + queued / sched.capacity_tokens
-            return (-hits, load)
+            # Ties (an idle cluster) rotate, so one-at-a-time requests spread too.
+            rotation = (w - self._next_tie) % self.num_workers
+            return (-hits, load, rotation)
 
-        return min(candidates, key=score)
+        worker = min(candidates, key=score)
+        self._next_tie = (worker + 1) % self.num_workers
+        return worker
 
     def abort(self, request_id: str) -> RequestOutput | None:
         worker = self.request_to_worker.pop(request_id, None)

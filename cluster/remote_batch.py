@@ -1,0 +1,122 @@
+"""Batch inference on a running tokenflow Ray cluster: the remote twin of `batch.run_local`.
+
+    ray job submit --address http://HEAD:8265 -- python -m cluster.batch -i IN -o OUT
+    python -m cluster.batch -i IN -o OUT          # on a node of the cluster
+
+Connects with `ray.init(address="auto")` to the cluster and its named controller, then
+streams every request of the file through the same `generate` the HTTP ingress uses, with
+at most `batch_max_in_flight` requests outstanding (the controller's queue stays bounded for
+online traffic). Output lines are written and flushed as requests finish, so an interrupted
+run resumes from OUT. A full queue (429 over HTTP) is retried after `retry_after_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from collections.abc import Iterable
+from typing import Any, TextIO
+
+from cluster import protocol as p
+from cluster.batch import _custom_id_of, write_line
+from cluster.config import TokenflowConfig
+from cluster.frontend import Frontend, Prepared
+from controller.core import QueueFullError
+
+logger = logging.getLogger(__name__)
+
+
+def connect_controller(config: TokenflowConfig) -> Any:
+    """The running cluster's controller; one is created (owned by this job, so it lives
+    only as long as the job) when the cluster has none yet."""
+    import ray
+
+    from controller.actor import CONTROLLER_NAME, get_or_create_controller
+
+    if not ray.is_initialized():
+        ray.init(address="auto", namespace=config.namespace)
+    try:
+        return ray.get_actor(CONTROLLER_NAME, namespace=config.namespace)
+    except ValueError:
+        logger.warning("no %s in namespace %s: starting one for this job", CONTROLLER_NAME,
+                       config.namespace)
+        return get_or_create_controller(config.controller_options())
+
+
+def run_remote(lines: Iterable[str], out: TextIO, config: TokenflowConfig,
+               done_ids: set[str], progress: bool = True) -> dict[str, int]:
+    from cluster.controller_client import RayControllerClient
+    from cluster.ingress import OpenAIServer
+
+    server = OpenAIServer(config, RayControllerClient(connect_controller(config)))
+    return asyncio.run(_run(server, lines, out, done_ids, progress))
+
+
+async def _run(server: Any, lines: Iterable[str], out: TextIO, done_ids: set[str],
+               progress: bool) -> dict[str, int]:
+    from tqdm import tqdm
+
+    frontend: Frontend = await server.frontend()
+    counts = {"completed": 0, "failed": 0, "skipped": 0}
+    slots = asyncio.Semaphore(server.config.batch_max_in_flight)
+    bar = tqdm(desc="batch", unit="req", disable=not progress, file=sys.stderr)
+    tasks: list[asyncio.Task[None]] = []
+
+    def fail(custom_id: str | None, err: p.ProtocolError) -> None:
+        write_line(out, p.batch_error_line(custom_id, err))
+        counts["failed"] += 1
+
+    async def run_one(custom_id: str, prepared: Prepared) -> None:
+        try:
+            body = await _generate(server, frontend, prepared)
+        except p.ProtocolError as err:
+            fail(custom_id, err)
+        else:
+            write_line(out, p.batch_output_line(custom_id, body, None, 200))
+            counts["completed"] += 1
+        finally:
+            slots.release()
+            bar.update(1)
+
+    for line in lines:
+        if not line.strip():
+            continue
+        custom_id = _custom_id_of(line)
+        if custom_id is not None and custom_id in done_ids:
+            counts["skipped"] += 1
+            continue
+        try:
+            item = p.parse_batch_line(line)
+            prepared = frontend.prepare(item.url, item.body)
+        except p.ProtocolError as err:
+            fail(custom_id, err)
+            continue
+        await slots.acquire()  # bounded in flight: reading the file waits for capacity
+        bar.total = (bar.total or 0) + 1
+        tasks.append(asyncio.create_task(run_one(item.custom_id, prepared)))
+    await asyncio.gather(*tasks)
+    bar.close()
+    return counts
+
+
+async def _generate(server: Any, frontend: Frontend, prepared: Prepared) -> dict[str, Any]:
+    """One request to its OpenAI response body; ProtocolError for a refused or failed one."""
+    from cluster.ingress import collect
+
+    client = server.client
+    request_id = p.new_chat_completion_id() if prepared.is_chat else p.new_completion_id()
+    while True:
+        deltas = client.stream(prepared.prompt_token_ids, prepared.params, request_id,
+                               prepared.priority, "batch")
+        try:
+            await anext(deltas)  # admission
+            break
+        except QueueFullError:
+            await asyncio.sleep(max(server.config.retry_after_s, 0.1))  # as a 429 says
+        except ValueError as err:
+            raise p.ProtocolError(400, str(err)) from None
+    text, reason, error = await collect(frontend, prepared, request_id, deltas, client.abort)
+    if error is not None:
+        raise p.ProtocolError(503, error)
+    return frontend.response(prepared, request_id, text, reason)

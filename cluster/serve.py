@@ -1,0 +1,87 @@
+"""`python -m cluster.serve --model M --port P` (what `make serve` runs).
+
+Starts a local Ray on 127.0.0.1, the controller (which starts one worker per GPU, or
+`TOKENFLOW_NUM_WORKERS` CPU workers), and the Serve ingress on 127.0.0.1:PORT; prints the
+URL and serves until Ctrl-C. The controller is created here, before the Serve app, so this
+process owns it (it lives exactly as long as the server) and a broken model fails at once
+instead of on the first request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import signal
+import sys
+import threading
+from types import FrameType
+
+from cluster.config import TokenflowConfig
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m cluster.serve", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="checkpoint folder or builtin preset (builtin:tiny)")
+    ap.add_argument("--port", type=int, help="HTTP port (default 8000)")
+    ap.add_argument("--host", help="HTTP bind address (default 127.0.0.1)")
+    ap.add_argument("--num-workers", type=int, help="CPU worker actors (no GPU present)")
+    ap.add_argument("--served-model-name", help="name clients pass as `model`")
+    return ap.parse_args(argv)
+
+
+def config_from_args(args: argparse.Namespace) -> TokenflowConfig:
+    overrides = {k: getattr(args, k) for k in ("model", "port", "host", "num_workers",
+                                               "served_model_name")
+                 if getattr(args, k) is not None}
+    return TokenflowConfig(**overrides)
+
+
+def ray_num_cpus(config: TokenflowConfig) -> int:
+    """Enough logical CPUs for every actor's fractional reservation, at least the cores."""
+    need = (config.num_workers * config.worker_num_cpus + config.controller_num_cpus
+            + config.ingress_num_replicas * config.ingress_num_cpus)
+    return max(os.cpu_count() or 1, math.ceil(need))
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    import ray
+    from ray import serve
+
+    from cluster.ingress import build_app
+    from controller.actor import get_or_create_controller
+
+    config = config_from_args(parse_args(argv))
+    # Explicit handlers: a shell starts background jobs with SIGINT ignored, and SIGTERM
+    # (docker stop, systemd) should shut Serve and Ray down as cleanly as Ctrl-C.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupt)
+    # address="local": never join (or be confused by) another cluster; the default Redis
+    # port 6379 may be taken on this machine, ray.init picks free ports itself.
+    ray.init(address="local", num_cpus=ray_num_cpus(config), _node_ip_address="127.0.0.1",
+             include_dashboard=False, namespace=config.namespace)
+    try:
+        controller = get_or_create_controller(config.controller_options())
+        info = ray.get(controller.model_info.remote())
+        serve.start(http_options={"host": config.host, "port": config.port})
+        serve.run(build_app(config.model_dump()), name="tokenflow", route_prefix="/")
+        url = f"http://{config.host}:{config.port}"
+        print(f"tokenflow serving {config.model_name} with {info['num_workers']} worker(s) "
+              f"on {', '.join(info['devices'])}", flush=True)
+        print(f"OpenAI API at {url}/v1  (health: {url}/health)  Ctrl-C stops", flush=True)
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        print("stopping", file=sys.stderr)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

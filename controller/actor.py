@@ -1,0 +1,231 @@
+"""The controller as an async Ray actor: `ControllerCore` plus one step loop per worker actor.
+
+Each worker has its own asyncio task: drain events, `schedule(w)`, await the worker's
+`execute`, `apply(w, plan, result)`, hand the deltas to the request streams. The tasks share
+nothing but the core, which is only touched between awaits, so the single-threaded event loop
+is the lock; a slow worker only delays its own loop. A loop with nothing to do parks on an
+`asyncio.Event` that `generate`, `abort` and event producers set: no polling.
+
+`generate` is a Ray streaming generator: the first item acknowledges admission (an empty
+delta naming the worker), then one item per batch of new tokens. The HTTP ingress uses the
+multiplexed form instead: `submit` per request plus one `subscribe` stream per ingress
+replica that carries every request's deltas, a list per step (controller/streams.py says
+why). Deltas that pile up while a consumer is slow are merged, never dropped.
+The worker actor class is injected as an import path (`ControllerOptions.worker_cls`) so the
+controller has no static dependency on torch code and tests can substitute a fake worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import importlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import ray
+
+from controller.core import ControllerCore, PoolSpec
+from controller.messages import SamplingParams
+from controller.options import ControllerOptions
+from controller.request import Request, RequestOutput
+from controller.streams import RequestStream, Subscriber, ack
+from controller.worker_loop import WorkerSlot
+
+logger = logging.getLogger(__name__)
+CONTROLLER_NAME = "tokenflow-controller"
+
+
+class ControllerActor:
+    def __init__(self, options: ControllerOptions) -> None:
+        self.options = options
+        self.core: ControllerCore | None = None
+        self.slots: list[WorkerSlot] = []
+        self.vocab_size = 0
+        self.max_model_len = options.max_model_len
+        self._streams: dict[str, RequestStream] = {}
+        self._subscribers: dict[str, Subscriber] = {}
+        self._subscriber_of: dict[str, Subscriber] = {}  # request id -> its subscriber
+        self.num_aborted = 0  # requests that were still unfinished when aborted
+        self._start_task: asyncio.Task[None] | None = None
+
+    # -- startup ------------------------------------------------------------------------
+    async def _started(self) -> ControllerCore:
+        # Lazy: an actor's __init__ runs outside its event loop, the loops need one.
+        task = self._start_task
+        if task is None or (task.done() and (task.cancelled() or task.exception())):
+            # A fresh context: Ray cancels recursively, and every task created in a call's
+            # context counts as that call's child. The first caller's client going away
+            # must not cancel the worker startup (or, later, the step loops).
+            self._start_task = task = asyncio.get_running_loop().create_task(
+                self._start(), context=contextvars.Context())
+        await asyncio.shield(task)
+        assert self.core is not None
+        return self.core
+
+    async def _start(self) -> None:
+        opts = self.options
+        module, _, name = opts.worker_cls.partition(":")
+        worker_cls = ray.remote(getattr(importlib.import_module(module), name))
+        use_gpu = opts.device != "cpu" and ray.cluster_resources().get("GPU", 0) >= 1
+        num_workers = int(ray.cluster_resources()["GPU"]) if use_gpu else opts.num_workers
+        resources = {"num_gpus": 1 if use_gpu else 0, "num_cpus": opts.worker_num_cpus}
+        handles = [worker_cls.options(max_restarts=opts.worker_max_restarts, max_concurrency=1,
+                                      **resources).remote(
+            opts.model, opts.num_kv_blocks, opts.block_size, opts.dtype, opts.seed,
+            "cuda" if use_gpu else "cpu") for _ in range(num_workers)]
+        infos = await asyncio.gather(*(h.info.remote() for h in handles))
+        self.vocab_size = infos[0].vocab_size
+        self.max_model_len = min([opts.max_model_len, *(i.max_model_len for i in infos)])
+        self.core = ControllerCore(
+            [PoolSpec(i.num_kv_blocks, i.block_size, opts.enable_prefix_caching) for i in infos],
+            opts.scheduler, eos_token_ids=tuple(infos[0].eos_token_ids),
+            max_model_len=self.max_model_len, max_queue_len=opts.max_queue_len,
+            clock=asyncio.get_running_loop().time, **opts.core)
+        self.slots = [WorkerSlot(w, h, info, self.core, self._deliver)
+                      for w, (h, info) in enumerate(zip(handles, infos, strict=True))]
+        for slot in self.slots:
+            slot.start()
+        logger.info("controller started with %d %s workers", num_workers,
+                    "GPU" if use_gpu else "CPU")
+
+    async def model_info(self) -> dict[str, Any]:
+        await self._started()
+        info = self.slots[0].info
+        return {"vocab_size": self.vocab_size, "max_model_len": self.max_model_len,
+                "eos_token_ids": list(info.eos_token_ids), "model_path": info.model_path,
+                "num_workers": len(self.slots), "devices": [s.info.device for s in self.slots],
+                "torch_threads": [s.info.torch_threads for s in self.slots]}
+
+    # -- requests -----------------------------------------------------------------------
+    def _admit(self, core: ControllerCore, prompt_token_ids: list[int],
+               params: SamplingParams, request_id: str | None, priority: int,
+               tenant: str) -> tuple[Request, int]:
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        request = core.add_request(prompt_token_ids, params, request_id, priority, tenant)
+        worker = core.request_to_worker[request.request_id]
+        self.slots[worker].num_routed += 1
+        self.slots[worker].notify()
+        return request, worker
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                       request_id: str | None = None, priority: int = 0,
+                       tenant: str = "default") -> AsyncIterator[dict[str, Any]]:
+        """Stream of deltas; raises ValueError (never runnable) or QueueFullError (429)
+        before the first item, which acknowledges admission."""
+        core = await self._started()
+        request, worker = self._admit(core, prompt_token_ids, params, request_id, priority,
+                                      tenant)
+        rid = request.request_id
+        stream = self._streams[rid] = RequestStream()
+        finished = False
+        try:
+            yield ack(rid, worker, request.num_prompt_tokens)
+            while not finished:
+                delta = await stream.next_delta(worker)
+                finished = delta["finish_reason"] is not None
+                yield delta
+        finally:
+            self._streams.pop(rid, None)
+            if not finished:  # the consumer went away (cancelled or closed the stream)
+                self._abort(rid)
+
+    async def submit(self, prompt_token_ids: list[int], params: SamplingParams,
+                     request_id: str, priority: int, tenant: str,
+                     subscriber: str) -> dict[str, Any]:
+        """Admit a request whose deltas go to `subscribe(subscriber)`; returns the
+        acknowledgement or raises like `generate`."""
+        core = await self._started()
+        # Get-or-create: Ray may start this call before the subscriber's `subscribe`.
+        sub = self._subscribers.setdefault(subscriber, Subscriber())
+        request, worker = self._admit(core, prompt_token_ids, params, request_id, priority,
+                                      tenant)
+        sub.add(request.request_id, worker)
+        self._subscriber_of[request.request_id] = sub
+        return ack(request.request_id, worker, request.num_prompt_tokens)
+
+    async def subscribe(self, subscriber: str) -> AsyncIterator[list[dict[str, Any]]]:
+        """Deltas of every request submitted for `subscriber`, a list per wake-up. When
+        the subscriber goes away its unfinished requests are aborted."""
+        sub = self._subscribers.setdefault(subscriber, Subscriber())
+        try:
+            while True:
+                batch = await sub.next_batch()
+                for delta in batch:
+                    if delta["finish_reason"] is not None:
+                        self._subscriber_of.pop(delta["request_id"], None)
+                yield batch
+        finally:
+            self._subscribers.pop(subscriber, None)
+            for request_id in list(sub.workers):
+                self._subscriber_of.pop(request_id, None)
+                self._abort(request_id)
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a queued or running request; its blocks are released at once and the
+        worker is told on its next step. False when the request is unknown or finished."""
+        await self._started()
+        return self._abort(request_id)
+
+    def _abort(self, request_id: str) -> bool:
+        assert self.core is not None
+        worker = self.core.request_to_worker.get(request_id)
+        out = self.core.abort(request_id)
+        if out is None or worker is None:
+            return False
+        self.num_aborted += 1
+        self.slots[worker].after_release()
+        self._deliver(out)
+        return True
+
+    def _deliver(self, out: RequestOutput) -> None:
+        consumer = self._streams.get(out.request_id) or self._subscriber_of.get(out.request_id)
+        if consumer is not None:
+            consumer.push(out)
+
+    # -- introspection -------------------------------------------------------------------
+    async def stats(self) -> dict[str, Any]:
+        await self._started()
+        return {"workers": [slot.stats() for slot in self.slots],
+                "num_streams": len(self._streams) + len(self._subscriber_of),
+                "num_subscribers": len(self._subscribers), "num_aborted": self.num_aborted,
+                "num_unfinished": len(self.core.request_to_worker) if self.core else 0}
+
+    async def step_records(self, worker: int) -> list[tuple[int, int, float, float, float]]:
+        """Recent steps of one worker: (requests, tokens, wall s, worker compute s, actor
+        call s)."""
+        await self._started()
+        return list(self.slots[worker].records)
+
+    async def check_integrity(self, timeout_s: float = 30.0) -> dict[str, Any]:
+        """Every pool partitions its blocks; each worker with no unfinished request holds no
+        block once its loop has told it about every finished request. Raises on violation."""
+        core = await self._started()
+        core.check_integrity()
+        report = []
+        for slot in self.slots:
+            report.append(await slot.check_idle_integrity(timeout_s))
+        return {"workers": report}
+
+    async def ping(self) -> dict[str, Any]:
+        await self._started()
+        dead = [s.index for s in self.slots if s.task is None or s.task.done()]
+        return {"ok": not dead, "dead_loops": dead}
+
+
+def get_or_create_controller(options: ControllerOptions) -> ray.actor.ActorHandle:
+    """The named singleton: created on first call, the existing actor afterwards."""
+    actor_options: dict[str, Any] = dict(
+        name=CONTROLLER_NAME, namespace=options.namespace, get_if_exists=True,
+        max_restarts=options.max_restarts, num_cpus=options.num_cpus,
+        max_concurrency=options.max_concurrency)
+    if options.detached:
+        actor_options["lifetime"] = "detached"
+    return RemoteController.options(**actor_options).remote(options)
+
+
+RemoteController = ray.remote(ControllerActor)

@@ -1,0 +1,184 @@
+"""`WorkerSlot`: one worker actor as the controller sees it, with its async step loop.
+
+One step: drain the worker's event buffer (flow control sees every `chunk_complete` and
+`cache_evict` before it plans), `schedule`, await `execute` on the actor, `apply`, deliver
+the deltas. The loop parks on `wake` when there is nothing to send the worker; everything
+that can create work (a new request, an abort, an event) calls `notify()`. `parked` is set
+only while the loop waits and nobody has notified it since, which is what the integrity
+check needs to know that the worker has been told about every finished request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from controller.core import ControllerCore, Event
+from controller.events import DoubleBufferedEventQueue
+from controller.messages import CacheEvict
+from controller.request import RequestOutput
+
+logger = logging.getLogger(__name__)
+# Step records kept for stats and the overhead benchmark; older ones are dropped.
+_MAX_RECORDS = 4096
+
+
+class WorkerSlot:
+    def __init__(self, index: int, handle: Any, info: Any, core: ControllerCore,
+                 deliver: Callable[[RequestOutput], None]) -> None:
+        self.index = index
+        self.handle = handle  # the worker actor
+        self.info = info  # its WorkerInfo
+        self.core = core
+        self.deliver = deliver
+        self.wake = asyncio.Event()
+        self.parked = asyncio.Event()
+        self.events: DoubleBufferedEventQueue[Event] = DoubleBufferedEventQueue(self.notify)
+        self.task: asyncio.Task[None] | None = None
+        self.num_routed = 0
+        self.num_steps = 0
+        self.num_failures = 0
+        self.num_chunk_complete = 0
+        self.num_cache_evict = 0
+        self.last_evict_kv_usage = 0.0
+        self.wall_s = 0.0  # controller wall time per step, summed
+        self.compute_s = 0.0  # worker-reported compute time, summed
+        # Recent steps: (requests, tokens, wall s, worker compute s, actor call s). Wall
+        # minus call is the controller's own work; call minus compute is Ray's transport.
+        self.records: deque[tuple[int, int, float, float, float]] = deque(maxlen=_MAX_RECORDS)
+
+    def start(self) -> None:
+        # A fresh context, so no Ray call's cancellation can reach the loop (see actor.py).
+        self.task = asyncio.get_running_loop().create_task(
+            self._run(), name=f"step-{self.index}", context=contextvars.Context())
+
+    def notify(self) -> None:
+        self.parked.clear()
+        self.wake.set()
+
+    def after_release(self) -> None:
+        """Blocks were released outside a step (abort): queue the evicts, tell the loop."""
+        self._collect_evicts()
+        self.notify()
+
+    # -- the loop ---------------------------------------------------------------------------
+    async def _run(self) -> None:
+        while True:
+            # Cleared before looking at the state: a notify during the step below re-arms it.
+            self.wake.clear()
+            try:
+                stepped = await self._step()
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:  # a dead or failing worker must not kill the loop
+                logger.exception("worker %d step failed", self.index)
+                await self._fail_requests(err)
+                continue
+            if not stepped:
+                self.parked.set()
+                await self.wake.wait()
+
+    async def _step(self) -> bool:
+        self._consume_events()  # evicts of aborts since the last step
+        if not self.core.has_work(self.index):
+            return False
+        start = time.perf_counter()
+        plan = self.core.schedule(self.index)
+        self._collect_evicts()  # preemptions inside schedule() released blocks
+        if plan.is_empty and not plan.finished_request_ids:
+            return False  # nothing can advance until a notify (flow control holds prefill)
+        sent = time.perf_counter()
+        result = await self.handle.execute.remote(plan)
+        received = time.perf_counter()
+        outputs = self.core.apply(self.index, plan, result)
+        self.events.extend(self.core.take_events(self.index, result))
+        for out in outputs:
+            self.deliver(out)
+        self._consume_events()  # flow control sees this step's events before the next plan
+        wall = time.perf_counter() - start
+        self.num_steps += 1
+        self.wall_s += wall
+        self.compute_s += result.elapsed_s
+        self.records.append((len(plan.num_scheduled_tokens), plan.total_num_scheduled_tokens,
+                             wall, result.elapsed_s, received - sent))
+        return True
+
+    def _collect_evicts(self) -> None:
+        self.events.extend(self.core.take_events(self.index))
+
+    def _consume_events(self) -> None:
+        batch = self.events.drain()
+        if not batch:
+            return
+        for event in batch:
+            if isinstance(event, CacheEvict):
+                self.num_cache_evict += 1
+                self.last_evict_kv_usage = event.kv_usage
+            else:
+                self.num_chunk_complete += 1
+        # Flow control and the protections; a protection may abort requests (chunk timeout).
+        for out in self.core.handle_events(self.index, batch):
+            self.deliver(out)
+            self.notify()  # the worker must hear about the aborted request
+
+    async def _fail_requests(self, err: BaseException) -> None:
+        """Finish every request of this worker with an error, then flush the finished ids
+        to the worker (a live one drops their blocks; a restarted one holds none)."""
+        self.num_failures += 1
+        sched = self.core.schedulers[self.index]
+        for request_id in list(sched.requests):
+            out = self.core.abort(request_id)
+            if out is not None:
+                out.error = f"worker {self.index} failed: {type(err).__name__}: {err}"
+                self.deliver(out)
+        self._collect_evicts()
+        plan = self.core.schedule(self.index)
+        try:
+            await self.handle.execute.remote(plan)
+        except Exception:
+            logger.warning("worker %d did not take the flush plan", self.index)
+
+    # -- introspection ------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        sched = self.core.schedulers[self.index]
+        pool = sched.kv.pool.stats()
+        steps = max(self.num_steps, 1)
+        return {
+            "worker": self.index, "device": self.info.device, "kv_usage": pool.usage,
+            "num_blocks": pool.num_blocks, "num_free_blocks": pool.num_free,
+            "num_used_blocks": pool.num_used, "num_cached_blocks": pool.num_cached,
+            "num_running": len(sched.running), "num_waiting": sched.num_waiting,
+            "num_routed": self.num_routed, "num_steps": self.num_steps,
+            "num_failures": self.num_failures, "parked": self.parked.is_set(),
+            "step_wall_ms_avg": 1e3 * self.wall_s / steps,
+            "worker_compute_ms_avg": 1e3 * self.compute_s / steps,
+            "controller_overhead_ms_avg": 1e3 * (self.wall_s - self.compute_s) / steps,
+            "num_chunk_complete": self.num_chunk_complete,
+            "num_cache_evict": self.num_cache_evict,
+            "last_evict_kv_usage": self.last_evict_kv_usage,
+        }
+
+    async def check_idle_integrity(self, timeout_s: float) -> dict[str, Any]:
+        """With no unfinished request here, wait until the loop parks (the worker has had
+        every finished id), then neither side may hold a block."""
+        sched = self.core.schedulers[self.index]
+        if sched.has_unfinished():
+            return {"worker": self.index, "checked": False, "reason": "requests in flight"}
+        await asyncio.wait_for(self.parked.wait(), timeout_s)
+        held = await self.handle.held_block_ids.remote()
+        pool = sched.kv.pool.stats()
+        if sched.has_unfinished() or not self.parked.is_set():
+            # New work arrived while we asked the worker: its blocks are legitimately held.
+            return {"worker": self.index, "checked": False, "reason": "requests in flight"}
+        if held:
+            raise AssertionError(f"worker {self.index} still holds blocks {sorted(held)[:8]}")
+        if pool.num_used:
+            raise AssertionError(f"worker {self.index}'s pool has {pool.num_used} used blocks "
+                                 "with no request in flight")
+        return {"worker": self.index, "checked": True, "num_free": pool.num_free,
+                "num_cached": pool.num_cached, "num_blocks": pool.num_blocks}

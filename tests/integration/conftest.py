@@ -1,0 +1,79 @@
+"""One local Ray cluster with the tokenflow Serve app for the whole integration session.
+
+Two CPU workers on builtin:tiny with a small KV pool and a small prefill cap, so every
+limit the tests probe is reachable with short prompts. Ray binds to 127.0.0.1 and picks
+its own free ports (6379 may be taken); Serve's HTTP port is a free one found here.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from cluster.config import TokenflowConfig
+
+# Small on purpose: 160 blocks x 8 tokens per worker, prompts over 76 tokens get 422.
+CLUSTER_CONFIG: dict[str, Any] = dict(
+    model="builtin:tiny", num_workers=2, worker_num_cpus=0.5, block_size=8,
+    num_kv_blocks=160, max_num_batched_tokens=256, max_num_seqs=64, max_model_len=1024,
+    max_prefill_tokens=64, default_max_tokens=16, namespace="tokenflow-test",
+    controller_num_cpus=0.25, ingress_num_cpus=0.25)
+
+
+@dataclass
+class Cluster:
+    url: str  # http://127.0.0.1:PORT
+    config: TokenflowConfig
+    controller: Any  # the controller actor handle
+
+    def stats(self) -> dict[str, Any]:
+        import ray
+
+        return ray.get(self.controller.stats.remote(), timeout=30)
+
+    def check_integrity(self) -> dict[str, Any]:
+        import ray
+
+        return ray.get(self.controller.check_integrity.remote(), timeout=60)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[Cluster]:
+    import ray
+    from ray import serve
+
+    from cluster.ingress import build_app
+    from controller.actor import CONTROLLER_NAME
+
+    config = TokenflowConfig(**CLUSTER_CONFIG)
+    ray.init(address="local", num_cpus=4, _node_ip_address="127.0.0.1",
+             include_dashboard=False, namespace=config.namespace,
+             logging_level="WARNING", log_to_driver=False)
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(config.model_dump()), name="tokenflow", route_prefix="/")
+        controller = ray.get_actor(CONTROLLER_NAME, namespace=config.namespace)
+        ray.get(controller.model_info.remote(), timeout=120)  # workers are up
+        yield Cluster(f"http://127.0.0.1:{port}", config, controller)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def local_engine() -> Any:
+    """The in-process twin with the same configuration, for greedy comparisons."""
+    from cluster.engine import LocalEngine
+
+    return LocalEngine(TokenflowConfig(**CLUSTER_CONFIG))

@@ -1,0 +1,71 @@
+"""Bad input gets its documented 4xx and OpenAI's error body, and the server keeps serving."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.integration.conftest import Cluster
+
+MODEL = "builtin:tiny"
+OK_BODY: dict[str, Any] = {"model": MODEL, "prompt": "ok", "max_tokens": 2}
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+
+# (name, endpoint, raw body or JSON object, status, expected `param` or None)
+CASES: list[tuple[str, str, bytes | dict[str, Any], int, str | None]] = [
+    ("malformed json", COMPLETIONS, b'{"model": "builtin:tiny", "prompt": ', 400, None),
+    ("body not an object", COMPLETIONS, b"[1, 2]", 400, None),
+    ("unknown model", COMPLETIONS, {**OK_BODY, "model": "gpt-17"}, 404, "model"),
+    ("negative max_tokens", COMPLETIONS, {**OK_BODY, "max_tokens": -3}, 400, "max_tokens"),
+    ("huge max_tokens", COMPLETIONS, {**OK_BODY, "max_tokens": 10**9}, 400, "max_tokens"),
+    ("temperature NaN", COMPLETIONS,
+     b'{"model": "builtin:tiny", "prompt": "x", "temperature": NaN}', 400, "temperature"),
+    ("negative temperature", COMPLETIONS, {**OK_BODY, "temperature": -0.5}, 400, "temperature"),
+    ("empty prompt", COMPLETIONS, {**OK_BODY, "prompt": ""}, 400, "prompt"),
+    ("empty token list", COMPLETIONS, {**OK_BODY, "prompt": []}, 400, "prompt"),
+    ("token id outside vocab", COMPLETIONS, {**OK_BODY, "prompt": [5, 512]}, 400, "prompt"),
+    ("negative token id", COMPLETIONS, {**OK_BODY, "prompt": [5, -1]}, 400, "prompt"),
+    ("over-cap prompt", COMPLETIONS, {**OK_BODY, "prompt": list(range(3, 100))}, 422, "prompt"),
+    ("over-cap chat", CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "y" * 90}]},
+     422, "messages"),
+    ("chat without messages", CHAT, {"model": MODEL, "messages": []}, 400, "messages"),
+    ("unknown route", "/v1/embeddings", OK_BODY, 404, None),
+]
+
+
+@pytest.fixture(scope="module")
+def http(cluster: Cluster) -> httpx.Client:
+    with httpx.Client(base_url=cluster.url, timeout=60) as client:
+        yield client
+
+
+@pytest.mark.parametrize(("name", "path", "body", "status", "param"), CASES,
+                         ids=[c[0] for c in CASES])
+def test_bad_input_gets_error_body_and_server_keeps_serving(
+        http: httpx.Client, name: str, path: str, body: bytes | dict[str, Any], status: int,
+        param: str | None) -> None:
+    if isinstance(body, bytes):
+        resp = http.post(path, content=body, headers={"content-type": "application/json"})
+    else:
+        resp = http.post(path, json=body)
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    if param is not None:
+        assert error["param"] == param
+    ok = http.post(COMPLETIONS, json=OK_BODY)
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["usage"]["completion_tokens"] == 2
+
+
+def test_refused_prompts_never_reach_the_controller(cluster: Cluster,
+                                                    http: httpx.Client) -> None:
+    before = sum(w["num_routed"] for w in cluster.stats()["workers"])
+    assert http.post(COMPLETIONS, json={**OK_BODY, "prompt": list(range(3, 100))}
+                     ).status_code == 422
+    assert http.post(COMPLETIONS, json={**OK_BODY, "max_tokens": 0}).status_code == 400
+    assert sum(w["num_routed"] for w in cluster.stats()["workers"]) == before

@@ -1,0 +1,218 @@
+"""The controller actor's logic without Ray: per-worker step loops over fake worker handles.
+
+A fake handle's `execute.remote(plan)` returns a coroutine, which is what awaiting a Ray
+ObjectRef amounts to inside the actor. Shows: a slow worker does not stall the other one,
+streams carry every token, abort and a dropped consumer free blocks, a failing worker fails
+only its own requests, and the loops park (no polling) when idle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from controller.actor import ControllerActor
+from controller.core import ControllerCore, PoolSpec
+from controller.messages import SamplingParams, StepPlan, StepResult
+from controller.options import ControllerOptions
+from controller.request import RequestOutput
+from controller.scheduler import SchedulerConfig
+from controller.streams import merge_deltas
+from controller.worker_loop import WorkerSlot
+from tests.unit.fake_runner import FakeRunner
+from workers.actor import WorkerInfo
+
+VOCAB = 100
+PARAMS = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+
+
+class _Method:
+    def __init__(self, fn: Callable[..., Awaitable[Any]]) -> None:
+        self._fn = fn
+
+    def remote(self, *args: Any) -> Awaitable[Any]:
+        return self._fn(*args)
+
+
+class FakeWorkerHandle:
+    def __init__(self, runner: FakeRunner) -> None:
+        self.runner = runner
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.entered = asyncio.Event()  # set once a step is in flight
+        self.fail_next = False
+        self.num_steps = 0
+        self.execute = _Method(self._execute)
+        self.held_block_ids = _Method(self._held)
+
+    async def _execute(self, plan: StepPlan) -> StepResult:
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("boom")
+        # Computed at dispatch: the fake reads the scheduler's requests, which an abort
+        # during the step would remove (a real worker keeps its own copy).
+        result = self.runner.execute(plan)
+        self.entered.set()
+        await asyncio.sleep(0)  # a real actor call always suspends the loop
+        await self.gate.wait()
+        self.num_steps += 1
+        return result
+
+    async def _held(self) -> set[int]:
+        return {b for blocks in self.runner.held.values() for b in blocks}
+
+
+def make_actor(num_workers: int = 2) -> tuple[ControllerActor, list[FakeWorkerHandle]]:
+    actor = ControllerActor(ControllerOptions(num_workers=num_workers))
+    core = ControllerCore([PoolSpec(32, 4)] * num_workers,
+                          SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8))
+    handles = [FakeWorkerHandle(FakeRunner(s, VOCAB)) for s in core.schedulers]
+    info = WorkerInfo(32, 4, VOCAB, (), 1024, "/nowhere", "cpu", 0, 1)
+    actor.core, actor.vocab_size = core, VOCAB
+    actor.slots = [WorkerSlot(w, h, info, core, actor._deliver) for w, h in enumerate(handles)]
+    for slot in actor.slots:
+        slot.start()
+    actor._start_task = asyncio.ensure_future(asyncio.sleep(0))  # already started
+    return actor, handles
+
+
+async def collect(actor: ControllerActor, prompt: list[int], request_id: str,
+                  limit: int | None = None, params: SamplingParams = PARAMS
+                  ) -> list[dict[str, Any]]:
+    deltas = []
+    gen = actor.generate(prompt, params, request_id)
+    async for delta in gen:
+        deltas.append(delta)
+        if limit is not None and len(deltas) >= limit:
+            await gen.aclose()  # the consumer goes away mid-stream
+            break
+    return deltas
+
+
+def run(coro: Awaitable[Any]) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, 10))
+
+
+def test_streams_carry_every_token_and_pools_end_free() -> None:
+    async def main() -> None:
+        actor, _ = make_actor()
+        results = await asyncio.gather(*(collect(actor, [1 + i, 2, 3], f"r{i}")
+                                         for i in range(6)))
+        for deltas in results:
+            assert deltas[0]["token_ids"] == [] and deltas[0]["finish_reason"] is None
+            assert sum(len(d["token_ids"]) for d in deltas) == PARAMS.max_tokens
+            assert deltas[-1]["finish_reason"] == "length"
+        stats = await actor.stats()
+        assert [w["num_routed"] for w in stats["workers"]] == [3, 3]
+        report = await actor.check_integrity()
+        assert all(w["checked"] for w in report["workers"])
+        assert all(w["parked"] for w in (await actor.stats())["workers"])
+
+    run(main())
+
+
+def test_slow_worker_does_not_stall_the_other() -> None:
+    async def main() -> None:
+        actor, handles = make_actor()
+        handles[0].gate.clear()  # worker 0 hangs inside its step
+        first = asyncio.create_task(collect(actor, [1, 2, 3], "slow"))
+        await asyncio.sleep(0)
+        fast = await collect(actor, [4, 5, 6], "fast")  # routed to the idle worker 1
+        assert fast[-1]["finish_reason"] == "length" and fast[-1]["worker"] == 1
+        assert not first.done() and handles[0].num_steps == 0
+        handles[0].gate.set()
+        assert (await first)[-1]["finish_reason"] == "length"
+
+    run(main())
+
+
+def test_abort_and_dropped_consumer_free_blocks() -> None:
+    async def main() -> None:
+        actor, handles = make_actor(1)
+        handles[0].gate.clear()
+        gen = actor.generate([1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True), "a")
+        assert (await anext(gen))["worker"] == 0
+        await handles[0].entered.wait()
+        assert await actor.abort("a")  # while its first step runs on the worker
+        handles[0].gate.set()
+        delta = await anext(gen)
+        assert delta["finish_reason"] == "abort"
+        assert not await actor.abort("a")  # already finished
+        long = SamplingParams(max_tokens=50, ignore_eos=True)
+        dropped = await collect(actor, [7, 8, 9], "b", limit=2, params=long)
+        assert len(dropped) == 2 and dropped[-1]["finish_reason"] is None
+        assert (await actor.check_integrity())["workers"][0]["checked"]
+        stats = await actor.stats()
+        assert stats["num_aborted"] == 2 and stats["num_unfinished"] == 0
+        assert stats["workers"][0]["num_cache_evict"] == 2  # consumed before parking
+
+    run(main())
+
+
+def test_failing_worker_fails_only_its_requests() -> None:
+    async def main() -> None:
+        actor, handles = make_actor()
+        handles[0].fail_next = True
+        bad, good = await asyncio.gather(collect(actor, [1, 2, 3], "x"),
+                                         collect(actor, [4, 5, 6], "y"))
+        assert bad[-1]["finish_reason"] == "abort" and "boom" in bad[-1]["error"]
+        assert good[-1]["finish_reason"] == "length" and good[-1]["error"] is None
+        again = await collect(actor, [1, 2, 3], "z")  # the loop survived the failure
+        assert again[-1]["finish_reason"] == "length"
+        assert all(w["checked"] for w in (await actor.check_integrity())["workers"])
+
+    run(main())
+
+
+def test_unrunnable_requests_are_refused_before_the_first_item() -> None:
+    async def main() -> None:
+        actor, _ = make_actor()
+        for prompt in ([], [VOCAB]):
+            with pytest.raises(ValueError):
+                await anext(actor.generate(prompt, PARAMS))
+        with pytest.raises(ValueError):  # more tokens than a whole pool holds
+            await anext(actor.generate([1], SamplingParams(max_tokens=500)))
+
+    run(main())
+
+
+def test_merge_deltas_joins_tokens_and_keeps_the_last_state() -> None:
+    items = [RequestOutput("r", [1], None, 3, 1), RequestOutput("r", [2, 3], "stop", 3, 3)]
+    merged = merge_deltas(items, worker=1)
+    assert merged["token_ids"] == [1, 2, 3] and merged["finish_reason"] == "stop"
+    assert merged["num_output_tokens"] == 3 and merged["worker"] == 1
+
+
+def test_subscriber_gets_all_its_requests_in_batches_and_aborts_on_leaving() -> None:
+    async def main() -> None:
+        actor, _ = make_actor()
+        acks = [await actor.submit([1 + i, 2, 3], PARAMS, f"s{i}", 0, "t", "sub")
+                for i in range(4)]
+        assert sorted(a["worker"] for a in acks) == [0, 0, 1, 1]
+        tokens: dict[str, list[int]] = {f"s{i}": [] for i in range(4)}
+        finished: set[str] = set()
+        batches = 0
+        sub = actor.subscribe("sub")
+        async for batch in sub:
+            batches += 1
+            for delta in batch:
+                tokens[delta["request_id"]] += delta["token_ids"]
+                if delta["finish_reason"] is not None:
+                    finished.add(delta["request_id"])
+            if len(finished) == 4:
+                break
+        assert all(len(t) == PARAMS.max_tokens for t in tokens.values())
+        assert batches < 4 * PARAMS.max_tokens  # deltas of several requests share items
+        long = SamplingParams(max_tokens=50, ignore_eos=True)
+        await actor.submit([9, 9, 9], long, "left", 0, "t", "sub")
+        await anext(sub)
+        await sub.aclose()  # the ingress went away: its unfinished request is aborted
+        stats = await actor.stats()
+        assert stats["num_aborted"] == 1 and stats["num_subscribers"] == 0
+        assert all(w["checked"] for w in (await actor.check_integrity())["workers"])
+        assert (await actor.stats())["num_streams"] == 0
+
+    run(main())

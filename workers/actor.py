@@ -1,0 +1,68 @@
+"""`WorkerActor`: a thin Ray actor around `Worker` (model, paged KV tensors, sampler).
+
+The controller wraps this class with `ray.remote` (found through
+`ControllerOptions.worker_cls`) and creates one per GPU (`num_gpus=1`) or `num_workers` of
+them on CPU with a fractional CPU reservation (`worker_num_cpus`), then drives each with its
+own step loop: one `execute` call per step. The actor is synchronous with concurrency 1 on
+purpose: steps of one worker must run strictly in order (each plan is a diff on the previous
+one), and torch releases the GIL inside kernels anyway.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from controller.messages import StepPlan, StepResult
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What the controller needs to build the worker's scheduler and the edge's checks."""
+
+    num_kv_blocks: int
+    block_size: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    max_model_len: int
+    model_path: str
+    device: str
+    pid: int
+    torch_threads: int  # intra-op threads: Ray sets OMP_NUM_THREADS from num_cpus
+
+
+class WorkerActor:
+    def __init__(self, model: str, num_kv_blocks: int, block_size: int, dtype: str = "float32",
+                 seed: int = 0, device: str = "auto") -> None:
+        from workers.worker import Worker  # torch is imported in the actor process only
+
+        self.worker = Worker(model, num_kv_blocks=num_kv_blocks, block_size=block_size,
+                             dtype=dtype, seed=seed, device=_resolve_device(device))
+        self.num_steps = 0
+
+    def info(self) -> WorkerInfo:
+        import torch
+
+        w = self.worker
+        return WorkerInfo(w.num_kv_blocks, w.block_size, w.vocab_size,
+                          tuple(w.eos_token_ids), w.model_config.max_model_len,
+                          str(w.model_path), str(w.device), os.getpid(),
+                          torch.get_num_threads())
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        self.num_steps += 1
+        return self.worker.execute(plan)
+
+    def held_block_ids(self) -> set[int]:
+        return self.worker.held_block_ids()
+
+    def num_active_requests(self) -> int:
+        return self.worker.num_active_requests
+
+
+def _resolve_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
