@@ -201,6 +201,11 @@ class ControllerActor:
         await self._started()
         return list(self.slots[worker].records)
 
+    async def step_plans(self, worker: int) -> list[tuple[int, dict[str, int]]]:
+        """Recent steps of one worker: (step id, request id -> tokens scheduled)."""
+        await self._started()
+        return list(self.slots[worker].plan_log)
+
     async def check_integrity(self, timeout_s: float = 30.0) -> dict[str, Any]:
         """Every pool partitions its blocks; each worker with no unfinished request holds no
         block once its loop has told it about every finished request. Raises on violation."""

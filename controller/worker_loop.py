@@ -11,6 +11,7 @@ check needs to know that the worker has been told about every finished request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import logging
 import time
@@ -37,6 +38,7 @@ class WorkerSlot:
         self.core = core
         self.deliver = deliver
         self.wake = asyncio.Event()
+        self.telemetry_poll_s = 0.1  # empty steps while paused, for telemetry samples
         self.parked = asyncio.Event()
         self.events: DoubleBufferedEventQueue[Event] = DoubleBufferedEventQueue(self.notify)
         self.task: asyncio.Task[None] | None = None
@@ -51,6 +53,8 @@ class WorkerSlot:
         # Recent steps: (requests, tokens, wall s, worker compute s, actor call s). Wall
         # minus call is the controller's own work; call minus compute is Ray's transport.
         self.records: deque[tuple[int, int, float, float, float]] = deque(maxlen=_MAX_RECORDS)
+        # (step id, request id -> tokens) of recent non-empty steps: who advanced when.
+        self.plan_log: deque[tuple[int, dict[str, int]]] = deque(maxlen=_MAX_RECORDS)
 
     def start(self) -> None:
         # A fresh context, so no Ray call's cancellation can reach the loop (see actor.py).
@@ -68,11 +72,13 @@ class WorkerSlot:
 
     # -- the loop ---------------------------------------------------------------------------
     async def _run(self) -> None:
+        force = False
         while True:
             # Cleared before looking at the state: a notify during the step below re-arms it.
             self.wake.clear()
             try:
-                stepped = await self._step()
+                stepped = await self._step(force)
+                force = False
             except asyncio.CancelledError:
                 raise
             except Exception as err:  # a dead or failing worker must not kill the loop
@@ -81,16 +87,26 @@ class WorkerSlot:
                 continue
             if not stepped:
                 self.parked.set()
+                if self._needs_telemetry():
+                    # PREFILL_PAUSED is left on telemetry alone, and telemetry comes with
+                    # steps: with only prefill waiting, sample on an empty step now and then.
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self.wake.wait(), self.telemetry_poll_s)
+                    force = not self.wake.is_set()
+                    continue
                 await self.wake.wait()
 
-    async def _step(self) -> bool:
+    def _needs_telemetry(self) -> bool:
+        return self.core.flows[self.index].paused and self.core.has_work(self.index)
+
+    async def _step(self, force: bool = False) -> bool:
         self._consume_events()  # evicts of aborts since the last step
         if not self.core.has_work(self.index):
             return False
         start = time.perf_counter()
         plan = self.core.schedule(self.index)
         self._collect_evicts()  # preemptions inside schedule() released blocks
-        if plan.is_empty and not plan.finished_request_ids:
+        if plan.is_empty and not plan.finished_request_ids and not force:
             return False  # nothing can advance until a notify (flow control holds prefill)
         sent = time.perf_counter()
         result = await self.handle.execute.remote(plan)
@@ -104,6 +120,7 @@ class WorkerSlot:
         self.num_steps += 1
         self.wall_s += wall
         self.compute_s += result.elapsed_s
+        self.plan_log.append((plan.step_id, dict(plan.num_scheduled_tokens)))
         self.records.append((len(plan.num_scheduled_tokens), plan.total_num_scheduled_tokens,
                              wall, result.elapsed_s, received - sent))
         return True
