@@ -1,0 +1,176 @@
+"""`tokenflow` console script.
+
+    tokenflow calibrate --model M [--itl-slo-ms X] --out budget.json [--quick]
+                        [--warmup N --iters N] [--max-tokens N] [--threads N]
+    tokenflow calibrate --check budget.json [--tolerance X] [--warmup N --iters N]
+
+`calibrate` measures on this machine's worker device (workers/calibrate.py), fits the cost
+model and writes the budget table plus a PNG of the fit beside it (budget.png).
+`--check` repeats the table's own measurement plan and exits 1 when a quantity drifted more
+than the tolerance. Per quantity, not per point: the median ratio over the prefill points,
+over the decode points, the matmul peak, the bandwidth and the KV capacity; a single noisy
+point on a shared machine must not fail the check, a slower machine must.
+Defaults come from `TokenflowConfig` (so `TOKENFLOW_CALIB_*` env variables apply).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from cluster.config import TokenflowConfig
+from controller.budget import BudgetTable
+
+# `--quick` (CPU smoke runs, `make`-free checks): one warm-up run and three kept runs instead
+# of the seed's 5 + 20, chunks up to 512 tokens, two depths, two decode batches.
+QUICK = {"warmup": 1, "iters": 3, "max_tokens": 512, "contexts": (0, 256),
+         "decode_batches": (1, 8)}
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in text.split(",") if v.strip())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenflow")
+    sub = parser.add_subparsers(dest="command", required=True)
+    cal = sub.add_parser("calibrate", help="measure the token budget on this device")
+    cal.add_argument("--model", help="checkpoint folder or builtin:<preset>")
+    cal.add_argument("--out", type=Path, default=Path("budget.json"),
+                     help="budget table to write (the PNG goes beside it)")
+    cal.add_argument("--check", type=Path, help="re-measure this table; exit 1 on drift")
+    cal.add_argument("--tolerance", type=float,
+                     help="drift allowed by --check (default: calib_check_tolerance)")
+    cal.add_argument("--itl-slo-ms", type=float, help="SLO of the stored recommendation")
+    cal.add_argument("--quick", action="store_true", help=f"small CPU run: {QUICK}")
+    cal.add_argument("--warmup", type=int, help="runs discarded per point")
+    cal.add_argument("--iters", type=int, help="runs averaged per point")
+    cal.add_argument("--max-tokens", type=int, help="largest prefill chunk measured")
+    cal.add_argument("--contexts", type=_ints, help="context depths, e.g. 0,1024,4096")
+    cal.add_argument("--decode-batches", type=_ints, help="decode batch sizes, e.g. 1,8,32")
+    cal.add_argument("--threads", type=int, help=(
+        "torch CPU threads (default: a Ray worker actor's, floor(worker_num_cpus) >= 1)"))
+    cal.add_argument("--matmul-size", type=int, help="GEMM edge of the peak-FLOPs probe")
+    cal.add_argument("--bandwidth-bytes", type=int, help="buffer of the bandwidth probe")
+    cal.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    cal.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def _pick(value: Any, quick_key: str, quick: bool, default: Any) -> Any:
+    if value is not None:
+        return value
+    return QUICK[quick_key] if quick else default
+
+
+def make_spec(args: argparse.Namespace, cfg: TokenflowConfig) -> Any:
+    from workers.calibrate import CalibrationSpec, tile_grid  # torch only when measuring
+
+    unit = math.lcm(cfg.block_size, cfg.kernel_tile_tokens)  # the chunk grid
+    max_tokens = _pick(args.max_tokens, "max_tokens", args.quick, cfg.calib_max_tokens)
+    return CalibrationSpec(
+        model=args.model or cfg.model, dtype=cfg.dtype, device=cfg.device,
+        block_size=cfg.block_size, tile_tokens=cfg.kernel_tile_tokens,
+        warmup=_pick(args.warmup, "warmup", args.quick, cfg.calib_warmup),
+        iters=_pick(args.iters, "iters", args.quick, cfg.calib_iters),
+        # Default: the threads a Ray worker actor runs with, where the table is used (Ray sets
+        # OMP_NUM_THREADS to floor(num_cpus), at least 1; two threads on two busy cores make
+        # every step wait for the slower one and the table noisy).
+        threads=args.threads or max(math.floor(cfg.worker_num_cpus), 1),
+        prefill_tokens=tile_grid(unit, max_tokens),
+        contexts=_pick(args.contexts, "contexts", args.quick, cfg.calib_contexts),
+        decode_batches=_pick(args.decode_batches, "decode_batches", args.quick,
+                             cfg.calib_decode_batches),
+        decode_contexts=cfg.calib_decode_contexts,
+        matmul_size=args.matmul_size or cfg.calib_matmul_size,
+        bandwidth_bytes=args.bandwidth_bytes or cfg.calib_bandwidth_bytes,
+        memory_fraction=cfg.calib_memory_fraction)
+
+
+def measure(spec: Any, cfg: TokenflowConfig, itl_slo_ms: float, progress: bool) -> BudgetTable:
+    from workers.calibrate import Calibrator
+
+    measured = Calibrator(spec, progress=progress).run(weight_bits=cfg.weight_bits)
+    return BudgetTable.build(measured, itl_slo_ms=itl_slo_ms,
+                             bandwidth_headroom=cfg.bandwidth_headroom,
+                             chunk_efficiency=cfg.budget_chunk_efficiency,
+                             plan_context_tokens=cfg.budget_plan_context_tokens,
+                             plan_decodes=cfg.budget_plan_decodes)
+
+
+def _symmetric(new: float, old: float) -> float:
+    ratio = new / old if old > 0 else (1.0 if new == old else float("inf"))
+    return max(ratio, 1.0 / ratio) - 1.0 if ratio > 0 else float("inf")
+
+
+def drift_report(old: BudgetTable, new: BudgetTable) -> dict[str, float]:
+    """Symmetric drift per measured quantity (0.1 = 10 % faster or slower)."""
+    report: dict[str, float] = {}
+    for kind, key in (("prefill", ("tokens", "context")), ("decode", ("batch", "context"))):
+        before = {tuple(p[k] for k in key): p["mean_s"] for p in old.data[kind]}
+        ratios = [p["mean_s"] / before[tuple(p[k] for k in key)] for p in new.data[kind]
+                  if tuple(p[k] for k in key) in before]
+        report[f"{kind}_time"] = _symmetric(statistics.median(ratios), 1.0) if ratios \
+            else float("inf")
+    for section, key in (("hardware", "peak_flops"), ("hardware", "memory_bandwidth"),
+                         ("kv", "capacity_tokens")):
+        report[key] = _symmetric(new.data[section][key], old.data[section][key])
+    return report
+
+
+def run_check(args: argparse.Namespace, cfg: TokenflowConfig) -> int:
+    from workers.calibrate import CalibrationSpec
+
+    old = BudgetTable.load(args.check)
+    spec_fields = dict(old.data["spec"])
+    for name in ("warmup", "iters", "threads"):
+        if getattr(args, name) is not None:
+            spec_fields[name] = getattr(args, name)
+    spec = CalibrationSpec(**{k: tuple(v) if isinstance(v, list) else v
+                              for k, v in spec_fields.items()})
+    new = measure(spec, cfg, old.data["recommendation"]["itl_slo_ms"], not args.no_progress)
+    tolerance = args.tolerance if args.tolerance is not None else cfg.calib_check_tolerance
+    report = drift_report(old, new)
+    for name, drift in report.items():
+        verdict = "DRIFT" if drift > tolerance else "ok"
+        print(f"{name:18s} {drift * 100:8.1f} %  {verdict}")
+    drifted = [n for n, d in report.items() if d > tolerance]
+    print(f"tolerance {tolerance * 100:.1f} %: " + (f"drifted: {', '.join(drifted)}"
+                                                    if drifted else "no drift"))
+    return 1 if drifted else 0
+
+
+def run_calibrate(args: argparse.Namespace, cfg: TokenflowConfig) -> int:
+    slo = args.itl_slo_ms if args.itl_slo_ms is not None else cfg.itl_slo_ms
+    table = measure(make_spec(args, cfg), cfg, slo, not args.no_progress)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    table.save(args.out)
+    rec, fit = table.data["recommendation"], table.data["fit"]["prefill"]
+    print(f"wrote {args.out}: fit a={fit['a']:.3g}s b={fit['b']:.3g}s/token "
+          f"c={fit['c']:.3g}s/pair, median error {fit['median_rel_error'] * 100:.1f} %")
+    for row in table.data["table"]:
+        print(f"  tokens {row['tokens_min']:>6}-{row['tokens_max']:<6} {row['binding']}")
+    print(f"ITL SLO {slo:g} ms -> max_num_batched_tokens {rec['max_num_batched_tokens']}, "
+          f"chunk {rec['chunk_size']} (limited by {rec['limited_by']})")
+    if not args.no_plot:
+        from cluster.budget_plot import plot_table
+
+        png = plot_table(table, args.out.with_suffix(".png"), itl_slo_ms=slo)
+        print(f"wrote {png}" if png else "matplotlib missing: no plot")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    cfg = TokenflowConfig()
+    if args.check is not None:
+        return run_check(args, cfg)
+    return run_calibrate(args, cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

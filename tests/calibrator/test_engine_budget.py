@@ -1,0 +1,56 @@
+"""A LocalEngine started with a budget file plans with the table's budget and chunk size."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cluster.config import TokenflowConfig
+from cluster.engine import LocalEngine
+from controller.budget import BudgetTable
+from controller.messages import SamplingParams
+
+SLO_MS = 20.0
+
+
+def _check_engine(engine: LocalEngine, table: BudgetTable) -> None:
+    cfg = engine.config
+    budget, chunk = table.recommend(SLO_MS, block_size=cfg.block_size,
+                                    kv_capacity_tokens=cfg.num_kv_blocks * cfg.block_size)
+    sched = engine.scheduler.config
+    assert (sched.max_num_batched_tokens, sched.max_chunk_tokens) == (budget, chunk)
+    assert budget != TokenflowConfig().max_num_batched_tokens  # really the table's
+    engine.keep_step_log = True
+    prompt = list(range(3, 3 + 3 * budget + 5))  # several chunks
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    [done] = engine.generate([prompt], params)
+    assert len(done.output_token_ids) == 2
+    scheduled = [plan.total_num_scheduled_tokens for plan, _ in engine.step_log]
+    assert max(scheduled) <= budget
+    assert all(n <= chunk for plan, _ in engine.step_log
+               for n in plan.num_scheduled_tokens.values())
+
+
+def test_engine_uses_budget_file_field(table_path: Path) -> None:
+    engine = LocalEngine(budget_file=table_path, itl_slo_ms=SLO_MS, num_kv_blocks=64)
+    table = BudgetTable.load(table_path)
+    _check_engine(engine, table)
+    # Deviation warnings and budget_score compare against the table's cost model.
+    cost_model = engine.core.protections[0].cost_model
+    assert cost_model(48, 16) == table.predict(48, 16) != TokenflowConfig().cost_model()(48, 16)
+
+
+def test_engine_uses_budget_file_env(table_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TOKENFLOW_BUDGET_FILE", str(table_path))
+    monkeypatch.setenv("TOKENFLOW_ITL_SLO_MS", str(SLO_MS))
+    config = TokenflowConfig(num_kv_blocks=64)
+    assert config.budget_file == table_path
+    _check_engine(LocalEngine(config), BudgetTable.load(table_path))
+
+
+def test_bad_budget_file_is_refused(tmp_path: Path) -> None:
+    bad = tmp_path / "budget.json"
+    bad.write_text('{"schema_version": 1}', encoding="utf-8")
+    with pytest.raises(ValueError):
+        TokenflowConfig(budget_file=bad).scheduler_config()

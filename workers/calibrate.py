@@ -1,0 +1,246 @@
+"""Calibration micro-benchmarks on a worker's device (seed 000 §3, DESIGN.md "Token budget").
+
+A real `Worker` runs hand-built `StepPlan`s (controller/messages.py), so the numbers are the
+step times the controller will see:
+- prefill chunks on the tile grid at several context depths: one request whose first
+  `context` tokens count as cached (their K/V are whatever the blocks hold; the timing does
+  not depend on values), one token more than is scheduled so the chunk does not sample,
+  like every chunk but a prompt's last; re-sent as `CachedRequestData` with the same
+  `num_computed_tokens` (the controller's count is authoritative) so it repeats the chunk;
+- decode steps: `batch` requests of `context` cached tokens, each sampling one token;
+  re-created every run so each run samples (finished ids are dropped before new ones);
+- the matmul peak and the memory bandwidth (workers/hardware.py);
+- KV capacity: blocks that fit in `memory_fraction` of the device memory after weights,
+  an allocation probe (halving on failure), the int64 slot-index limit of the block-wise
+  layout and the int32 limit a contiguous per-request layout would hit.
+Timing runs in interleaved rounds (every round runs every point once, `sweep`): the first
+`warmup` rounds are discarded (seed 000 pitfall 9), the mean (and median, std) of the next
+`iters` kept. The point's first run (its admission) is never timed.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+from tqdm import tqdm
+
+from controller.budget_schema import SCHEMA_VERSION
+from controller.messages import CachedRequestData, NewRequestData, SamplingParams, StepPlan
+from workers.hardware import measure_matmul_peak_flops, measure_memory_bandwidth
+from workers.worker import Worker
+
+INT64_MAX, INT32_MAX = 2**63 - 1, 2**31 - 1
+ALLOC_HALVINGS = 8  # allocation probe: how often to halve after a failed allocation
+_PARAMS = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+Run = Callable[[], tuple[float, int]]  # one step: (worker-reported seconds, bytes moved)
+
+
+@dataclass(frozen=True)
+class CalibrationSpec:
+    """What to measure; stored in the JSON so `--check` repeats exactly this."""
+
+    model: str
+    dtype: str
+    device: str
+    block_size: int
+    tile_tokens: int
+    warmup: int
+    iters: int
+    threads: int | None  # torch CPU threads; None keeps torch's default
+    prefill_tokens: tuple[int, ...]
+    contexts: tuple[int, ...]
+    decode_batches: tuple[int, ...]
+    decode_contexts: tuple[int, ...]  # two or more, or a decode's per-pair cost is unknown
+    matmul_size: int  # GEMM edge of the peak-FLOPs probe
+    bandwidth_bytes: int  # buffer of the bandwidth probe (far above the last-level cache)
+    memory_fraction: float
+
+
+def tile_grid(unit: int, max_tokens: int) -> tuple[int, ...]:
+    """unit, 2*unit, 4*unit, ... up to max_tokens: the chunk sizes measured."""
+    sizes, size = [], unit
+    while size <= max_tokens:
+        sizes.append(size)
+        size *= 2
+    return tuple(sizes) or (unit,)
+
+
+def _blocks(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
+class Calibrator:
+    def __init__(self, spec: CalibrationSpec, progress: bool = True) -> None:
+        self.spec, self.progress = spec, progress
+        max_len = max(t + c for t in spec.prefill_tokens for c in spec.contexts)
+        decode_blocks = max(spec.decode_batches) * _blocks(max(spec.decode_contexts) + 1,
+                                                           spec.block_size)
+        num_blocks = max(_blocks(max_len, spec.block_size), decode_blocks, 2)
+        self.worker = Worker(spec.model, num_kv_blocks=num_blocks, block_size=spec.block_size,
+                             dtype=spec.dtype, device=spec.device)
+        self._steps = 0
+        self._admitted: set[str] = set()  # request ids the worker holds for the sweep
+
+    # -- timing ---------------------------------------------------------------------------
+    def _plan(self, **fields: object) -> StepPlan:
+        self._steps += 1
+        return StepPlan(step_id=self._steps, **fields)  # type: ignore[arg-type]
+
+    def prefill_point(self, tokens: int, context: int) -> Run:
+        """Admit a request whose first `context` tokens count as cached; each call of the
+        returned function re-runs its chunk of `tokens` (and does not sample)."""
+        rid, total = f"prefill-{tokens}@{context}", context + tokens
+        ids = [(i % (self.worker.vocab_size - 1)) + 1 for i in range(total + 1)]
+        # Points share block ids (values never matter): the pool is the largest point's.
+        blocks = list(range(_blocks(total, self.spec.block_size)))
+        sched = {"num_scheduled_tokens": {rid: tokens}, "total_num_scheduled_tokens": tokens}
+        first = self.worker.execute(self._plan(
+            new_requests=[NewRequestData(rid, ids, _PARAMS, blocks, context)], **sched))
+        assert first.num_tokens == tokens and not first.sampled_token_ids[rid]
+        self._admitted.add(rid)
+
+        def run() -> tuple[float, int]:
+            again = CachedRequestData(rid, [], context)
+            res = self.worker.execute(self._plan(cached_requests=[again], **sched))
+            return res.elapsed_s, res.bytes_moved
+
+        return run
+
+    def decode_point(self, batch: int, context: int) -> Run:
+        """Each call admits `batch` requests of `context` cached tokens afresh (dropping the
+        previous ones first) and decodes one token for each."""
+        per = _blocks(context + 1, self.spec.block_size)
+        rids = [f"decode-{batch}@{context}-{i}" for i in range(batch)]
+        ids = [(i % (self.worker.vocab_size - 1)) + 1 for i in range(context + 1)]
+        self._admitted.update(rids)
+
+        def run() -> tuple[float, int]:
+            news = [NewRequestData(r, ids, _PARAMS, list(range(i * per, (i + 1) * per)), context)
+                    for i, r in enumerate(rids)]
+            res = self.worker.execute(self._plan(
+                new_requests=news, finished_request_ids=set(rids),
+                num_scheduled_tokens=dict.fromkeys(rids, 1), total_num_scheduled_tokens=batch))
+            return res.elapsed_s, res.bytes_moved
+
+        return run
+
+    def sweep(self, runs: list[Run], bar: tqdm | None = None) -> list[dict[str, float]]:
+        """Interleaved rounds: every round runs every point once; the first `warmup` rounds
+        are discarded. On a shared machine a burst of background load then spreads over all
+        points instead of bending the curve at whichever point it hit."""
+        samples: list[list[tuple[float, int]]] = [[] for _ in runs]
+        for round_index in range(self.spec.warmup + self.spec.iters):
+            for kept, run in zip(samples, runs, strict=True):
+                sample = run()
+                if round_index >= self.spec.warmup:
+                    kept.append(sample)
+                if bar is not None:
+                    bar.update()
+        self.worker.execute(self._plan(finished_request_ids=set(self._admitted)))
+        self._admitted.clear()
+        stats = []
+        for kept in samples:
+            times = [t for t, _ in kept]
+            stats.append({"mean_s": statistics.fmean(times), "median_s": statistics.median(times),
+                          "std_s": statistics.stdev(times) if len(times) > 1 else 0.0,
+                          "bytes_moved": kept[-1][1]})
+        return stats
+
+    # -- hardware and KV capacity -----------------------------------------------------------
+    def hardware(self) -> dict[str, float]:
+        spec, device = self.spec, self.worker.device
+        return {"peak_flops": measure_matmul_peak_flops(
+                    self.worker.dtype, size=spec.matmul_size, warmup=spec.warmup,
+                    iters=spec.iters, device=device),
+                "memory_bandwidth": measure_memory_bandwidth(
+                    nbytes=spec.bandwidth_bytes, warmup=spec.warmup, iters=spec.iters,
+                    device=device)}
+
+    def kv_capacity(self) -> dict[str, object]:
+        worker, cfg = self.worker, self.worker.model_config
+        if worker.device.type == "cuda":
+            total = torch.cuda.get_device_properties(worker.device).total_memory
+        else:  # total, not available: other tenants must not make the table drift
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        budget = max(int(total * self.spec.memory_fraction) - worker.weight_bytes, 0)
+        per_block = worker.kv_bytes_per_block
+        fit = budget // per_block
+        probe, blocks, allocated = [], fit, 0
+        for _ in range(ALLOC_HALVINGS):
+            # One tensor for all layers' K and V of a `blocks` pool, less the calibration
+            # worker's own pool, which is resident already (weights are too).
+            extra = max(blocks - worker.num_kv_blocks, 0) * per_block
+            try:
+                buf = torch.empty(extra, dtype=torch.uint8, device=worker.device)
+                del buf
+                probe.append({"blocks": blocks, "ok": True})
+                allocated = blocks
+                break
+            except (RuntimeError, MemoryError):  # torch.OutOfMemoryError is a RuntimeError
+                probe.append({"blocks": blocks, "ok": False})
+                blocks //= 2
+        row = cfg.num_key_value_heads * cfg.head_dim  # elements per slot and layer
+        max_int64 = INT64_MAX // (self.spec.block_size * row)
+        # Element offset of the last allocatable slot, in int64 as the attention path
+        # computes it: a wrapped (overflowed) value would differ from the exact integer.
+        last_slot = allocated * self.spec.block_size - 1
+        offset = torch.tensor([max(last_slot, 0)], dtype=torch.int64) * row
+        assert int(offset[0]) == max(last_slot, 0) * row, "int64 slot offsets overflow"
+        return {"bytes_per_block": per_block, "memory_budget_bytes": budget, "blocks_fit": fit,
+                "alloc_probe": probe, "blocks_allocated": allocated,
+                "max_blocks_int64": max_int64, "max_tokens_int32_offset": INT32_MAX // row,
+                "capacity_tokens": min(fit, allocated, max_int64) * self.spec.block_size}
+
+    def model_stats(self, weight_bits: int | None) -> dict[str, int | float]:
+        cfg, worker = self.worker.model_config, self.worker
+        embed = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
+        lm_head = cfg.vocab_size * cfg.hidden_size
+        body = worker.num_params - embed - lm_head  # matmuls every token goes through
+        bits = worker.dtype.itemsize * 8
+        return {"num_params": worker.num_params, "weight_bytes": worker.weight_bytes,
+                "weight_bits": weight_bits or bits, "measured_weight_bits": bits,
+                "flops_per_token": 2.0 * body,
+                # QK^T and PV: 2 multiply-adds per pair, head and layer
+                "flops_per_pair": 4.0 * cfg.num_hidden_layers * cfg.q_size,
+                "flops_per_sample": 2.0 * lm_head, "max_model_len": cfg.max_model_len}
+
+    # -- everything -----------------------------------------------------------------------
+    def run(self, weight_bits: int | None = None) -> dict[str, object]:
+        """The measurement part of a budget table (BudgetTable.build adds the fits)."""
+        threads = torch.get_num_threads()
+        if self.spec.threads is not None:
+            torch.set_num_threads(self.spec.threads)
+        try:  # the thread count is process-wide: give the caller's back
+            return self._run(weight_bits)
+        finally:
+            torch.set_num_threads(threads)
+
+    def _run(self, weight_bits: int | None) -> dict[str, object]:
+        spec = self.spec
+        limit = self.worker.model_config.max_model_len
+        points = [(t, c) for c in spec.contexts for t in spec.prefill_tokens if t + c <= limit]
+        decodes = [(b, c) for c in spec.decode_contexts for b in spec.decode_batches]
+        hardware, kv = self.hardware(), self.kv_capacity()
+        runs = [self.prefill_point(t, c) for t, c in points]
+        runs += [self.decode_point(b, c) for b, c in decodes]
+        rounds = spec.warmup + spec.iters
+        with tqdm(total=rounds * len(runs), desc="calibrate", unit="step",
+                  disable=not self.progress) as bar:
+            stats = self.sweep(runs, bar)
+        prefill = [{"tokens": t, "context": c, **st}
+                   for (t, c), st in zip(points, stats, strict=False)]
+        decode = [{"batch": b, "context": c, **st}
+                  for (b, c), st in zip(decodes, stats[len(points):], strict=True)]
+        device = self.worker.device
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else \
+            f"cpu ({torch.get_num_threads()} threads)"
+        spec_json = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(spec).items()}
+        return {"schema_version": SCHEMA_VERSION, "created_unix": time.time(),
+                "device_name": name, "spec": spec_json,
+                "model_stats": self.model_stats(weight_bits), "hardware": hardware, "kv": kv,
+                "prefill": prefill, "decode": decode}
