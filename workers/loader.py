@@ -82,6 +82,7 @@ def load_model(
         )
     model.load_state_dict(state, strict=True, assign=True)
     model.tie_weights()  # `assign` replaced the shared Parameter by two objects
+    model.fuse_projections()  # q/k/v become one matmul
     model.reset_rotary(torch_device)
     model.eval().requires_grad_(False)
     return model, config

@@ -63,7 +63,15 @@ class Worker:
         seed: int = 0,
         keep_logits: bool = False,
         device: str = "cpu",
+        num_threads: int | None = None,
     ) -> None:
+        """`num_threads`: torch intra-op threads (process-wide) for CPU execution; None keeps
+        torch's default of one per core. On a shared machine fewer threads than cores is often
+        faster: every parallel region waits for its slowest, possibly descheduled, thread."""
+        if num_threads is not None:
+            if num_threads < 1:
+                raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+            torch.set_num_threads(num_threads)
         # "auto" and "cuda" both fall back to CPU where no GPU is present.
         use_cuda = device in ("auto", "cuda") or device.startswith("cuda:")
         use_cuda = use_cuda and torch.cuda.is_available()
@@ -71,6 +79,7 @@ class Worker:
         self.dtype = parse_dtype(dtype)
         self.model_path = resolve_model(model)
         self.model, self._config = load_model(self.model_path, self.dtype, self.device)
+        self.model.prepack_lm_head()  # CPU fp32 only; a no-op elsewhere
         self.num_kv_blocks, self.block_size = num_kv_blocks, block_size
         cfg = self._config
         self.kv_caches = allocate_kv_cache(
@@ -176,7 +185,6 @@ class Worker:
             self._update_request(cached)
 
         input_ids: list[int] = []
-        positions: list[int] = []
         spans: dict[str, SeqSpan] = {}
         for request_id, num_tokens in plan.num_scheduled_tokens.items():
             if num_tokens <= 0:
@@ -193,14 +201,14 @@ class Worker:
                 )
             spans[request_id] = SeqSpan(len(input_ids), num_tokens, end, state.block_ids)
             input_ids.extend(state.token_ids[begin:end])
-            positions.extend(range(begin, end))
         if not spans:
             return StepResult(step_id=plan.step_id, elapsed_s=time.perf_counter() - start_time)
 
-        meta = AttentionMetadata.build(list(spans.values()), self.block_size, self.device)
+        # Positions, slots and block tables come out of a few vectorised ops (attention.py).
+        meta = AttentionMetadata.build(list(spans.values()), self.block_size, self.device,
+                                       self.dtype)
         ids_t = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
-        pos_t = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        hidden = self.model(ids_t, pos_t, meta, self.kv_caches)  # [T, hidden]
+        hidden = self.model(ids_t, meta.positions, meta, self.kv_caches)  # [T, hidden]
 
         sampling_ids = [
             rid for rid, span in spans.items()

@@ -24,10 +24,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        # Normalise in fp32 and scale after casting back, the order transformers uses.
+        # Normalise in fp32 and scale after casting back, the order transformers uses; the
+        # in-place ops only touch temporaries (one allocation fewer per norm).
         x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        inv_rms = x32.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
+        return (x32 * inv_rms).to(x.dtype).mul_(self.weight)
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> Tensor:
@@ -57,20 +58,31 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, rope), persistent=False)
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """positions [T] global offsets -> cos, sin [T, hd] (computed in fp32)."""
+        """positions [T] global offsets -> cos, sin [T, hd/2] (computed in fp32).
+
+        transformers builds [T, hd] tables from `cat(freqs, freqs)`; both halves are equal, so
+        half tables give the same values at half the trigonometry."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, hd/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, hd]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [T, heads, hd]; rotate-half layout (first half paired with second half)."""
+    """x [T, heads, hd]; rotate-half layout (first half paired with second half).
+
+    Written per half: (x1·c − x2·s, x2·c + x1·s) is, operation for operation, transformers'
+    `x·cos + rotate_half(x)·sin` (negation is exact), without building the rotated copy."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
 
 class Attention(nn.Module):
+    """q/k/v load under their Hugging Face names; `fuse()` (called by the loader) then merges
+    them into one `qkv_proj`: one GEMM and one rotary pass over the adjacent q and k columns
+    instead of three GEMMs and two passes (fewer ops per layer; the GEMM time itself is the
+    same, see benchmarks/README.md)."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -80,20 +92,32 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.qkv_proj: nn.Linear | None = None
+
+    def fuse(self) -> None:
+        self.qkv_proj = _fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+        del self.q_proj, self.k_proj, self.v_proj
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: KVCache, meta: AttentionMetadata
     ) -> Tensor:
+        assert self.qkv_proj is not None, "call LlamaForCausalLM.fuse_projections() first"
         num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)  # [T, H, hd]
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, hd]
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, hd]
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        num_qk_heads = self.num_heads + self.num_kv_heads
+        qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) hd]
+        # q and k are adjacent columns: rotate them in one pass.
+        qk = apply_rotary(qkv[:, : num_qk_heads * self.head_dim].view(
+            num_tokens, num_qk_heads, self.head_dim), cos, sin)  # [T, H + Hkv, hd]
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, num_qk_heads * self.head_dim :].view(num_tokens, self.num_kv_heads, -1)
         o = paged_attention(q, k, v, kv_cache, meta, self.scale)  # [T, H, hd]
-        return self.o_proj(o.reshape(num_tokens, -1))  # [T, hidden]
+        return self.o_proj(o.view(num_tokens, -1))  # [T, hidden]
 
 
 class MLP(nn.Module):
+    # gate/up are deliberately NOT fused like q/k/v: measured on CPU (benchmarks/README.md),
+    # one [hidden, 2*inter] GEMM was no faster than two, and its strided halves made the
+    # SiLU and product passes slower.
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         h, i, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
@@ -102,7 +126,20 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(i, h, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # [T, hidden]
+        # silu's output is a fresh temporary, so the product can be taken in place.
+        return self.down_proj(F.silu(self.gate_proj(x)).mul_(self.up_proj(x)))  # [T, hidden]
+
+
+def _fuse_linears(*linears: nn.Linear) -> nn.Linear:
+    """One Linear whose output is the concatenation of `linears`' outputs (same input)."""
+    weight = torch.cat([lin.weight for lin in linears], dim=0)
+    has_bias = linears[0].bias is not None
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias,
+                      device="meta", dtype=weight.dtype)
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    if has_bias:
+        fused.bias = nn.Parameter(torch.cat([lin.bias for lin in linears]), requires_grad=False)
+    return fused
 
 
 class DecoderLayer(nn.Module):
@@ -116,8 +153,9 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: KVCache, meta: AttentionMetadata
     ) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # In place: the residual stream is this forward's own tensor, never a caller's.
+        x = x.add_(self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta))
+        return x.add_(self.mlp(self.post_attention_layernorm(x)))
 
 
 class LlamaModel(nn.Module):
@@ -135,12 +173,22 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(cfg)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # oneDNN-packed copy of lm_head.weight (CPU fp32 only, see `prepack_lm_head`); not a
+        # parameter: the HF-named weight stays the source of truth (ties, byte counts).
+        self._packed_lm_head: Tensor | None = None
         self.tie_weights()
 
     def tie_weights(self) -> None:
         """Share the output projection with the embedding (call again after `assign` loads)."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def fuse_projections(self) -> None:
+        """Merge q/k/v into one matmul (after loading HF-named weights).
+
+        Parameter count and values are unchanged; only the module names change."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
 
     def reset_rotary(self, device: torch.device) -> None:
         """Recompute the derived rope buffer (needed after building the model on `meta`)."""
@@ -155,11 +203,42 @@ class LlamaForCausalLM(nn.Module):
     ) -> Tensor:
         """input_ids, positions [T] -> final-normed hidden states [T, hidden]."""
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
-        cos, sin = self.rotary_emb(positions, x.dtype)  # [T, hd] each, shared by all layers
+        cos, sin = self.rotary_emb(positions, x.dtype)  # [T, hd/2] each, shared by all layers
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv_cache, meta)
         return self.model.norm(x)
 
+    def prepack_lm_head(self, batch_hint: int = 16, min_elements: int = 1 << 20) -> bool:
+        """Keep lm_head's weight pre-packed in oneDNN's blocked layout (CPU, fp32).
+
+        Why: lm_head is the largest matmul of a decode step (vocab x hidden, read whole for a
+        few rows) and the plain GEMM re-packs its weight on every call; the pre-packed one was
+        1.5-2x faster for 4-64 rows on CPU from ~2M weights up (a decode step of builtin:bench
+        ~15 % faster, benchmarks/README.md), but ~2x slower on tiny heads (call overhead), hence
+        `min_elements`. Costs one extra copy of the weight. Results differ from the plain GEMM
+        by summation order only (~1e-6 relative). Returns False, changing nothing, where
+        unsupported or not worth it."""
+        weight = self.lm_head.weight
+        if weight.device.type != "cpu" or weight.dtype != torch.float32:
+            return False
+        if weight.numel() < min_elements:
+            return False
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
+            probe = torch.linspace(-1.0, 1.0, weight.shape[1])[None, :]
+            ok = torch.allclose(_packed_linear(probe, packed), probe @ weight.t(),
+                                rtol=1e-4, atol=1e-4)
+        except (AttributeError, RuntimeError):  # op missing in this torch build
+            return False
+        self._packed_lm_head = packed if ok else None
+        return ok
+
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden [S, hidden] -> logits [S, vocab] in fp32."""
+        if self._packed_lm_head is not None:
+            return _packed_linear(hidden, self._packed_lm_head)
         return self.lm_head(hidden).float()
+
+
+def _packed_linear(x: Tensor, packed_weight: Tensor) -> Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed_weight, None, "none", [], "")

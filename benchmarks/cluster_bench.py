@@ -1,0 +1,171 @@
+"""Cluster benchmark: the controller's per-step overhead and HTTP against LocalEngine.
+
+    python -m benchmarks.cluster_bench [--quick] [--model builtin:bench]
+
+1. Overhead: one worker actor; N requests (1, 16, 64) decode together. For every step the
+   controller records its wall time (schedule -> execute on the actor -> apply) and the
+   worker's own compute time; overhead = wall - compute, reported against compute. Only
+   steps that decode exactly the N requests count; the first ones are dropped (warm-up,
+   seed 000 pitfall 9).
+2. Throughput: the same workload (concurrent greedy requests, fixed prompt and output
+   lengths, `ignore_eos`) through the OpenAI HTTP API of a one-worker cluster and through an
+   in-process `LocalEngine`, alternated round by round (benchmarks/timing.py) so both see
+   the same background load. Output tokens/s and the paired ratio.
+Writes benchmarks/results/cluster.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.timing import alternate, paired_ratio, summary
+from cluster.config import TokenflowConfig
+from controller.messages import SamplingParams
+
+RESULTS = Path(__file__).resolve().parent / "results" / "cluster.json"
+WARMUP_STEPS = 5
+
+
+def prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(count)]
+
+
+async def run_streams(client: Any, batch: list[list[int]], params: SamplingParams) -> int:
+    """All requests at once through the controller; returns the output tokens."""
+    async def one(i: int, prompt: list[int]) -> int:
+        count = 0
+        async for delta in client.stream(prompt, params, f"bench-{time.time_ns()}-{i}", 0,
+                                         "bench"):
+            count += len(delta["token_ids"])
+        return count
+
+    return sum(await asyncio.gather(*(one(i, p) for i, p in enumerate(batch))))
+
+
+def step_overhead(handle: Any, client: Any, vocab: int, num_running: int,
+                  decode_steps: int) -> dict[str, float]:
+    import ray
+
+    # Admission takes about N / max_concurrent_chunks steps; every request must still be
+    # decoding for warm-up + measured steps after the last one is admitted.
+    admit_steps = num_running // TokenflowConfig().max_concurrent_chunks + 1
+    params = SamplingParams(max_tokens=admit_steps + WARMUP_STEPS + decode_steps + 1,
+                            temperature=0.0, ignore_eos=True)
+    asyncio.run(run_streams(client, prompts(num_running, 16, vocab, num_running), params))
+    records = ray.get(handle.step_records.remote(0))
+    decode = [r for r in records if r[0] == num_running and r[1] == num_running]
+    decode = decode[-decode_steps:]  # the last ones: the first steps warm up
+    wall = statistics.fmean(r[2] for r in decode)
+    compute = statistics.fmean(r[3] for r in decode)
+    call = statistics.fmean(r[4] for r in decode)
+    return {"running": num_running, "steps": len(decode), "step_wall_ms": 1e3 * wall,
+            "worker_compute_ms": 1e3 * compute, "overhead_ms": 1e3 * (wall - compute),
+            "overhead_ratio": (wall - compute) / compute,
+            # where the overhead goes: planning/applying in the controller vs Ray's call
+            "controller_cpu_ms": 1e3 * (wall - call), "transport_ms": 1e3 * (call - compute)}
+
+
+def http_workload(url: str, model: str, batch: list[list[int]], max_tokens: int) -> int:
+    import httpx
+
+    async def go() -> int:
+        limits = httpx.Limits(max_connections=len(batch))
+        async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
+            bodies = [{"model": model, "prompt": p, "max_tokens": max_tokens,
+                       "temperature": 0.0, "ignore_eos": True} for p in batch]
+            resps = await asyncio.gather(*(http.post("/v1/completions", json=b)
+                                           for b in bodies))
+            return sum(r.json()["usage"]["completion_tokens"] for r in resps)
+
+    return asyncio.run(go())
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="builtin:tiny, fewer rounds")
+    ap.add_argument("--model", help="model (default builtin:bench, builtin:tiny with --quick)")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args(argv)
+
+    import ray
+    import torch
+    from ray import serve
+
+    from cluster.controller_client import MultiplexedControllerClient
+    from cluster.engine import LocalEngine
+    from cluster.ingress import build_app
+    from controller.actor import get_or_create_controller
+
+    model = args.model or ("builtin:tiny" if args.quick else "builtin:bench")
+    threads = torch.get_num_threads()
+    config = TokenflowConfig(model=model, num_workers=1, worker_num_cpus=threads,
+                             num_kv_blocks=1024, block_size=16, max_num_seqs=128,
+                             max_num_batched_tokens=2048, namespace="tokenflow-bench",
+                             max_prefill_tokens=4096)
+    ray.init(address="local", num_cpus=threads + 1, _node_ip_address="127.0.0.1",
+             include_dashboard=False, namespace=config.namespace, log_to_driver=False)
+    try:
+        handle = get_or_create_controller(config.controller_options())
+        client = MultiplexedControllerClient(handle)  # the ingress's path
+        info = ray.get(handle.model_info.remote())
+        decode_steps = 10 if args.quick else 20
+        overhead = [step_overhead(handle, client, info["vocab_size"], n, decode_steps)
+                    for n in (1, 16, 64)]
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(config.model_dump()), name="bench", route_prefix="/")
+        engine = LocalEngine(config)
+        num_requests, prompt_len, max_tokens = 16, 64, 32 if args.quick else 64
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        rounds = iter(range(1 << 30))  # fresh prompts every run: no prefix-cache replays
+        url = f"http://127.0.0.1:{port}"
+        times = alternate({
+            "http": lambda: http_workload(url, model, prompts(
+                num_requests, prompt_len, info["vocab_size"], next(rounds)), max_tokens),
+            "local": lambda: engine.generate(prompts(
+                num_requests, prompt_len, info["vocab_size"], next(rounds)), params),
+        }, warmup=1, iters=2 if args.quick else 4)
+        tokens = num_requests * max_tokens
+        result = {
+            "model": model, "device": info["devices"][0], "cpu_count": os.cpu_count(),
+            "worker_torch_threads": info["torch_threads"][0], "local_torch_threads": threads,
+            "controller_step_overhead": overhead,
+            "throughput": {
+                "requests": num_requests, "prompt_tokens": prompt_len,
+                "output_tokens_per_request": max_tokens,
+                "http_tokens_per_s": tokens / summary(times["http"])["mean"],
+                "local_tokens_per_s": tokens / summary(times["local"])["mean"],
+                "http_over_local": paired_ratio([tokens / t for t in times["http"]],
+                                                [tokens / t for t in times["local"]]),
+                "seconds": {k: summary(v) for k, v in times.items()},
+            },
+        }
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()
+
+
+def run(quick: bool, out_dir: Path) -> dict[str, Any]:
+    """`benchmarks.run` entry: the same measurement, the report written by the runner."""
+    return main((["--quick"] if quick else []) + ["--out", str(out_dir / "cluster.json")])
