@@ -97,6 +97,9 @@ class TokenflowConfig(BaseSettings):
     pause_hold_s: float = Field(10.0, ge=0, description="Hold time before PREFILL_PAUSED.")
     pause_exit: float = Field(0.90, gt=0, le=1, description=(
         "PREFILL_PAUSED ends when the average falls below this."))
+    telemetry: bool = Field(True, description=(
+        "Sample memory-bandwidth utilisation every step (NVML on NVIDIA GPUs, an estimate "
+        "on CPU) for the bandwidth modes; off, those modes never trigger."))
     peak_bandwidth_gbs: float | None = Field(None, gt=0, description=(
         "Peak memory bandwidth (GB/s) for the CPU bandwidth estimate; None measures it "
         "at worker start."))
@@ -120,6 +123,10 @@ class TokenflowConfig(BaseSettings):
         "PREFILL_PAUSED this long switches to the degraded path, which keeps serving."))
     degraded_chunk_tokens: int | None = Field(None, ge=1, description=(
         "Chunk size on the degraded path; None means one KV block."))
+    defrag_threshold: float | None = Field(0.30, gt=0, lt=1, description=(
+        "KV defragmentation: compact used blocks when more than this share lies outside "
+        "the compact region (seed 000: 30 %); None disables it."))
+    defrag_max_moves: int = Field(64, ge=1, description="KV blocks moved per step at most.")
     tenant_weights: dict[str, float] = Field(default_factory=dict, description=(
         "Weights of tenants (X-Tenant-Id) in each step's prefill budget; absent = 1.0."))
 
@@ -236,6 +243,7 @@ class TokenflowConfig(BaseSettings):
             max_chunk_tokens=chunk,
             max_concurrent_chunks=self.max_concurrent_chunks,
             tenant_weights=dict(self.tenant_weights),
+            defrag_threshold=self.defrag_threshold, defrag_max_moves=self.defrag_max_moves,
         )
 
     def cost_model(self) -> CostModel:
@@ -281,4 +289,9 @@ class TokenflowConfig(BaseSettings):
             max_model_len=self.max_model_len, max_queue_len=self.max_queue_len,
             namespace=self.namespace,
             num_cpus=self.controller_num_cpus, max_restarts=self.controller_max_restarts,
-            max_concurrency=self.controller_max_concurrency, detached=self.detached_controller)
+            max_concurrency=self.controller_max_concurrency, detached=self.detached_controller,
+            telemetry=self.telemetry, peak_bandwidth_bytes_s=self.peak_bandwidth_bytes_s)
+
+    @property
+    def peak_bandwidth_bytes_s(self) -> float | None:
+        return None if self.peak_bandwidth_gbs is None else self.peak_bandwidth_gbs * 1e9

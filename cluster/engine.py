@@ -39,6 +39,11 @@ class LocalEngine:
         self.worker = Worker(cfg.model, num_kv_blocks=cfg.num_kv_blocks,
                              block_size=cfg.block_size, dtype=cfg.dtype, seed=cfg.seed,
                              device=cfg.device)
+        if cfg.telemetry:
+            from workers.telemetry import make_source
+
+            self.worker.telemetry = make_source(str(self.worker.device),
+                                                cfg.peak_bandwidth_bytes_s)
         self.core = ControllerCore(
             [PoolSpec(cfg.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching)],
             cfg.scheduler_config(), eos_token_ids=tuple(self.worker.eos_token_ids),

@@ -74,7 +74,8 @@ class ControllerActor:
         handles = [worker_cls.options(max_restarts=opts.worker_max_restarts, max_concurrency=1,
                                       **resources).remote(
             opts.model, opts.num_kv_blocks, opts.block_size, opts.dtype, opts.seed,
-            "cuda" if use_gpu else "cpu") for _ in range(num_workers)]
+            "cuda" if use_gpu else "cpu", opts.telemetry, opts.peak_bandwidth_bytes_s)
+            for _ in range(num_workers)]
         infos = await asyncio.gather(*(h.info.remote() for h in handles))
         self.vocab_size = infos[0].vocab_size
         self.max_model_len = min([opts.max_model_len, *(i.max_model_len for i in infos)])

@@ -66,6 +66,9 @@ class StepPlan:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     total_num_scheduled_tokens: int = 0
     finished_request_ids: set[str] = field(default_factory=set)
+    # KV defragmentation: copy block src's rows to dst and rename src -> dst in every block
+    # table, after dropping finished requests and before anything else (kvcache/defrag.py).
+    block_moves: dict[int, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -37,3 +37,5 @@ class ControllerOptions:
     max_restarts: int = 3
     max_concurrency: int = 10_000
     detached: bool = False
+    telemetry: bool = True  # workers sample bandwidth utilisation every step
+    peak_bandwidth_bytes_s: float | None = None  # None: each CPU worker measures it

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from controller.messages import CachedRequestData, CacheEvict, NewRequestData, StepPlan, StepResult
 from controller.request import Request, RequestOutput, RequestStatus
 from controller.tenants import TenantStats, seq_cap, split_budget
+from kvcache.defrag import fragmentation, plan_compaction
 from kvcache.manager import KVCacheManager
 
 
@@ -29,6 +30,9 @@ class SchedulerConfig:
     max_chunk_tokens: int | None = None  # cap on one prefill chunk; None = the budget
     max_concurrent_chunks: int = 4  # prefill chunks per step (flow control lowers it)
     tenant_weights: dict[str, float] = field(default_factory=dict)  # absent tenant: 1.0
+    defrag_threshold: float | None = 0.30  # compact KV past this fragmentation; None: never
+    defrag_max_moves: int = 64  # blocks moved per step at most (bounds the copy's cost)
+    defrag_every_steps: int = 16  # fragmentation is O(blocks): look only now and then
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
@@ -45,6 +49,7 @@ class SchedulerStats:
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     num_finished: int = 0
+    num_defrag_moves: int = 0
     cache_evicts: list[CacheEvict] = field(default_factory=list)
 
 
@@ -117,6 +122,7 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         budget = self.config.max_num_batched_tokens
         plan = StepPlan(step_id=next(self._step_ids))
+        plan.block_moves = self._maybe_defrag(plan.step_id)
         scheduled: dict[str, int] = {}
         num_preemptions_before = self.stats.num_preemptions
 
@@ -151,6 +157,16 @@ class Scheduler:
         self.stats.num_steps += 1
         self.stats.num_scheduled_tokens += plan.total_num_scheduled_tokens
         return plan
+
+    def _maybe_defrag(self, step_id: int) -> dict[int, int]:
+        cfg = self.config
+        if cfg.defrag_threshold is None or step_id % cfg.defrag_every_steps:
+            return {}
+        if fragmentation(self.kv.pool) <= cfg.defrag_threshold:
+            return {}
+        moves = plan_compaction(self.kv, cfg.defrag_max_moves)
+        self.stats.num_defrag_moves += len(moves)
+        return moves
 
     def _schedule_prefills(self, budget: int, max_chunks: int, scheduled: dict[str, int],
                            num_preemptions_before: int) -> None:

@@ -33,11 +33,15 @@ class WorkerInfo:
 
 class WorkerActor:
     def __init__(self, model: str, num_kv_blocks: int, block_size: int, dtype: str = "float32",
-                 seed: int = 0, device: str = "auto") -> None:
+                 seed: int = 0, device: str = "auto", telemetry: bool = True,
+                 peak_bandwidth_bytes_s: float | None = None) -> None:
+        from workers.telemetry import make_source
         from workers.worker import Worker  # torch is imported in the actor process only
 
         self.worker = Worker(model, num_kv_blocks=num_kv_blocks, block_size=block_size,
                              dtype=dtype, seed=seed, device=_resolve_device(device))
+        if telemetry:
+            self.worker.telemetry = make_source(str(self.worker.device), peak_bandwidth_bytes_s)
         self.num_steps = 0
 
     def info(self) -> WorkerInfo:

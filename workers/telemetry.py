@@ -73,15 +73,22 @@ class ScriptedSource:
 TelemetrySource = CpuEstimateSource | NvmlSource | ScriptedSource
 
 
+_device_to_peak: dict[str, float] = {}  # measured once per process and device
+
+
 def make_source(device: str, peak_bandwidth_bytes_s: float | None) -> TelemetrySource:
-    """NVML on CUDA devices when it initialises; the CPU estimate otherwise."""
+    """NVML on CUDA devices when it initialises; the CPU estimate otherwise, against the
+    given peak or one measured here (a short copy probe, once per process)."""
     if device.startswith("cuda"):
         try:
             return NvmlSource(int(device.partition(":")[2] or 0))
         except Exception as err:  # no driver library, no permission: estimate instead
             logger.warning("NVML unavailable (%s); using the bandwidth estimate", err)
     if peak_bandwidth_bytes_s is None:
-        from workers.hardware import measure_memory_bandwidth
+        if device not in _device_to_peak:
+            from workers.hardware import measure_memory_bandwidth
 
-        peak_bandwidth_bytes_s = measure_memory_bandwidth()
+            _device_to_peak[device] = measure_memory_bandwidth(
+                nbytes=64 * 2**20, warmup=1, iters=3, device=device)
+        peak_bandwidth_bytes_s = _device_to_peak[device]
     return CpuEstimateSource(peak_bandwidth_bytes_s)

@@ -39,6 +39,7 @@ from workers.loader import load_model, parse_dtype
 from workers.model_config import ModelConfig
 from workers.presets import resolve_model
 from workers.sampler import Sampler, SamplingRow
+from workers.telemetry import TelemetrySource
 from workers.tokenizer import Tokenizer
 
 
@@ -91,6 +92,9 @@ class Worker:
         self.last_logits: dict[str, Tensor] = {}  # [vocab] fp32, last token of the last span
         self.span_logits: dict[str, Tensor] = {}  # [n, vocab] fp32, every token of that span
         self._requests: dict[str, RequestState] = {}
+        # Bandwidth samples for flow control (workers/telemetry.py); set by whoever owns the
+        # worker (LocalEngine, WorkerActor), None in unit tests that drive plans by hand.
+        self.telemetry: TelemetrySource | None = None
 
         elem = self.dtype.itemsize
         self._kv_bytes_per_token = 2 * cfg.num_hidden_layers * cfg.kv_size * elem
@@ -179,6 +183,8 @@ class Worker:
         start_time = time.perf_counter()
         for request_id in plan.finished_request_ids:  # first: a preempted id may come back new
             self._requests.pop(request_id, None)
+        if plan.block_moves:
+            self._move_blocks(plan.block_moves)
         for new in plan.new_requests:
             self._add_request(new)
         for cached in plan.cached_requests:
@@ -202,7 +208,8 @@ class Worker:
             spans[request_id] = SeqSpan(len(input_ids), num_tokens, end, state.block_ids)
             input_ids.extend(state.token_ids[begin:end])
         if not spans:
-            return StepResult(step_id=plan.step_id, elapsed_s=time.perf_counter() - start_time)
+            result = StepResult(step_id=plan.step_id, elapsed_s=time.perf_counter() - start_time)
+            return self._sample_telemetry(result)
 
         # Positions, slots and block tables come out of a few vectorised ops (attention.py).
         meta = AttentionMetadata.build(list(spans.values()), self.block_size, self.device,
@@ -232,7 +239,25 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         elapsed_s = time.perf_counter() - start_time
-        return self._finish_step(plan, spans, sampled, elapsed_s)
+        return self._sample_telemetry(self._finish_step(plan, spans, sampled, elapsed_s))
+
+    def _sample_telemetry(self, result: StepResult) -> StepResult:
+        if self.telemetry is not None:
+            sample = self.telemetry.sample(result.bytes_moved, result.elapsed_s, time.monotonic())
+            result.bandwidth_utilization = sample.bandwidth_utilization
+        return result
+
+    def _move_blocks(self, moves: dict[int, int]) -> None:
+        """Defragmentation: sources and destinations are disjoint sets (the controller moves
+        used blocks from above the compact region into free slots below it), so one batched
+        index copy per tensor is exact."""
+        src = torch.tensor(list(moves), dtype=torch.int64, device=self.device)
+        dst = torch.tensor(list(moves.values()), dtype=torch.int64, device=self.device)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache[dst] = k_cache[src]
+            v_cache[dst] = v_cache[src]
+        for state in self._requests.values():
+            state.block_ids = [moves.get(b, b) for b in state.block_ids]
 
     def _finish_step(
         self, plan: StepPlan, spans: dict[str, SeqSpan], sampled: dict[str, int], elapsed_s: float

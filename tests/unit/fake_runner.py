@@ -27,6 +27,8 @@ class FakeRunner:
     def execute(self, plan: StepPlan) -> StepResult:
         for request_id in plan.finished_request_ids:
             self.held.pop(request_id, None)
+        for block_ids in self.held.values():  # defragmentation renames blocks
+            block_ids[:] = [plan.block_moves.get(b, b) for b in block_ids]
         for new in plan.new_requests:
             self.held[new.request_id] = list(new.block_ids)
         for cached in plan.cached_requests:
