@@ -37,6 +37,7 @@ class ProtectionConfig:
     degrade_after_timeouts: int = 3
     degrade_window_s: float = 60.0
     max_slow_log: int = 256
+    deviation_log_every: int = 100
 
 
 @dataclass
@@ -84,7 +85,11 @@ class Protections:
             off = abs(event.elapsed_s - budgeted) / budgeted
             if off > self.config.deviation_threshold:
                 self.stats.num_deviations += 1
-                logger.debug("chunk %s#%d took %.4fs, budget model says %.4fs (%.0f%% off)",
+                # A stale budget table deviates on every chunk: warn on the first and then
+                # every `deviation_log_every`-th, the counter has the rest.
+                log = logger.warning if self.stats.num_deviations % \
+                    self.config.deviation_log_every == 1 else logger.debug
+                log("chunk %s#%d took %.4fs, budget model says %.4fs (%.0f%% off)",
                              event.request_id, event.chunk_index, event.elapsed_s, budgeted,
                              100 * off)
         limit = self.chunk_timeout_s(event.chunk_index)
