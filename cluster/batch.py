@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
@@ -57,6 +57,27 @@ def write_line(out: TextIO, record: dict) -> None:
     out.flush()
 
 
+def read_items(lines: Iterable[str], frontend: Frontend, done_ids: set[str], out: TextIO,
+               counts: dict[str, int]) -> Iterator[tuple[str, Prepared]]:
+    """Validated (custom_id, request) pairs of the input; lines answered in a previous run
+    are skipped, malformed ones get their error line here."""
+    for line in lines:
+        if not line.strip():
+            continue
+        custom_id = _custom_id_of(line)
+        if custom_id is not None and custom_id in done_ids:
+            counts["skipped"] += 1
+            continue
+        try:
+            item = p.parse_batch_line(line)
+            prepared = frontend.prepare(item.url, item.body)
+        except p.ProtocolError as err:
+            write_line(out, p.batch_error_line(custom_id, err))
+            counts["failed"] += 1
+            continue
+        yield item.custom_id, prepared
+
+
 def run_local(lines: Iterable[str], out: TextIO, config: TokenflowConfig,
               done_ids: set[str], progress: bool = True) -> dict[str, int]:
     from tqdm import tqdm
@@ -68,25 +89,15 @@ def run_local(lines: Iterable[str], out: TextIO, config: TokenflowConfig,
     frontend = Frontend(tokenizer, config, engine.worker.vocab_size)
     counts = {"completed": 0, "failed": 0, "skipped": 0}
     jobs: dict[str, Job] = {}
-    for line in lines:
-        if not line.strip():
-            continue
-        custom_id = _custom_id_of(line)
-        if custom_id is not None and custom_id in done_ids:
-            counts["skipped"] += 1
-            continue
+    for custom_id, prepared in read_items(lines, frontend, done_ids, out, counts):
         try:
-            item = p.parse_batch_line(line)
-            prepared = frontend.prepare(item.url, item.body)
             request_id = engine.add_request(prepared.prompt_token_ids, prepared.params,
                                             priority=prepared.priority)
-        except (p.ProtocolError, ValueError) as err:
-            if not isinstance(err, p.ProtocolError):  # the engine refused it (capacity)
-                err = p.ProtocolError(400, str(err))
-            write_line(out, p.batch_error_line(custom_id, err))
+        except ValueError as err:  # the engine refused it (KV capacity)
+            write_line(out, p.batch_error_line(custom_id, p.ProtocolError(400, str(err))))
             counts["failed"] += 1
             continue
-        jobs[request_id] = Job(item.custom_id, prepared, frontend.text_stream(prepared))
+        jobs[request_id] = Job(custom_id, prepared, frontend.text_stream(prepared))
 
     bar = tqdm(total=len(jobs), desc="batch", unit="req", disable=not progress,
                file=sys.stderr)

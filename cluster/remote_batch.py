@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from typing import Any, TextIO
 
 from cluster import protocol as p
-from cluster.batch import _custom_id_of, write_line
+from cluster.batch import read_items, write_line
 from cluster.config import TokenflowConfig
 from cluster.frontend import Frontend, Prepared
 from controller.core import QueueFullError
@@ -79,22 +79,10 @@ async def _run(server: Any, lines: Iterable[str], out: TextIO, done_ids: set[str
             slots.release()
             bar.update(1)
 
-    for line in lines:
-        if not line.strip():
-            continue
-        custom_id = _custom_id_of(line)
-        if custom_id is not None and custom_id in done_ids:
-            counts["skipped"] += 1
-            continue
-        try:
-            item = p.parse_batch_line(line)
-            prepared = frontend.prepare(item.url, item.body)
-        except p.ProtocolError as err:
-            fail(custom_id, err)
-            continue
+    for custom_id, prepared in read_items(lines, frontend, done_ids, out, counts):
         await slots.acquire()  # bounded in flight: reading the file waits for capacity
         bar.total = (bar.total or 0) + 1
-        tasks.append(asyncio.create_task(run_one(item.custom_id, prepared)))
+        tasks.append(asyncio.create_task(run_one(custom_id, prepared)))
     await asyncio.gather(*tasks)
     bar.close()
     return counts
