@@ -1,0 +1,213 @@
+"""Request models for /v1/completions and /v1/chat/completions (stage 1: model-free checks).
+
+Shape, types and ranges of every field are checked here; limits that need the model (prompt
+length, vocabulary) are checked after tokenization by `cluster.protocol.validation`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from cluster.protocol.errors import _invalid
+from cluster.protocol.fields import (
+    NullAsZero,
+    OutputTokenLimit,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    TokenIdList,
+    Unsupported,
+    check_non_negative_ids,
+)
+from cluster.protocol.messages import ChatMessage
+
+# OpenAI caps `stop` at 4 sequences; matching cost grows with their number on every delta.
+MAX_STOP_SEQUENCES = 4
+TEMPERATURE_MAX = 2.0
+# Seeds travel to torch generators, which take 64-bit values.
+_SEED_MIN = -(2**63)
+_SEED_MAX = 2**64 - 1
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: StrictBool | None = False
+
+
+class _RequestBase(BaseModel):
+    """Fields and checks shared by /v1/completions and /v1/chat/completions.
+
+    Unknown fields are ignored, not errors, so that clients sending newer OpenAI parameters
+    (or other servers' extensions) keep working."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr | None = None
+    max_tokens: OutputTokenLimit = None
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
+    top_k: StrictInt | None = None
+    seed: StrictInt | None = None
+    stop: list[str] = Field(default_factory=list)
+    stop_token_ids: TokenIdList = Field(default_factory=list)
+    ignore_eos: StrictBool | None = False
+    n: StrictInt | None = 1
+    stream: StrictBool | None = False
+    stream_options: StreamOptions | None = None
+    return_token_ids: StrictBool | None = False
+    priority: Annotated[StrictInt, NullAsZero] = 0
+    user: StrictStr | None = None
+
+    @field_validator("temperature")
+    @classmethod
+    def _check_temperature(cls, value: float | None) -> float | None:
+        if value is not None and not (math.isfinite(value) and 0.0 <= value <= TEMPERATURE_MAX):
+            raise _invalid(f"must be a number between 0 and {TEMPERATURE_MAX:g}, got {value}")
+        return value
+
+    @field_validator("top_p")
+    @classmethod
+    def _check_top_p(cls, value: float | None) -> float | None:
+        if value is not None and not (math.isfinite(value) and 0.0 < value <= 1.0):
+            raise _invalid(f"must be in (0, 1], got {value}")
+        return value
+
+    @field_validator("top_k")
+    @classmethod
+    def _check_top_k(cls, value: int | None) -> int | None:
+        if value is not None and value < -1:
+            raise _invalid(f"must be -1 (disabled) or >= 0, got {value}")
+        return value
+
+    @field_validator("seed")
+    @classmethod
+    def _check_seed(cls, value: int | None) -> int | None:
+        if value is not None and not _SEED_MIN <= value <= _SEED_MAX:
+            raise _invalid("must fit in 64 bits")
+        return value
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _normalize_stop(cls, value: Any) -> list[str]:
+        if value is None:
+            return []
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+            raise _invalid("must be a string or a list of strings")
+        if len(value) > MAX_STOP_SEQUENCES:
+            raise _invalid(f"accepts at most {MAX_STOP_SEQUENCES} sequences, got {len(value)}")
+        # An empty stop string would match before the first character and end every request.
+        if any(s == "" for s in value):
+            raise _invalid("must not contain empty strings")
+        return value
+
+    @field_validator("n")
+    @classmethod
+    def _check_n(cls, value: int | None) -> int | None:
+        if value not in (None, 1):
+            raise _invalid(f"must be 1: only one choice per request is supported, got {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _check_stream_options(self) -> _RequestBase:
+        if self.stream_options is not None and not self.stream:
+            raise _invalid("is only allowed when 'stream' is true", field="stream_options")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def max_tokens_param(self) -> str:
+        """The field the client used for the output limit, for error messages."""
+        return "max_tokens"
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a streamed response ends with a usage chunk."""
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def prompt_param(self) -> str:
+        return "prompt"
+
+
+class CompletionRequest(_RequestBase):
+    """/v1/completions. After validation `prompt` is either a non-empty string or a non-empty
+    list of token ids: one-element batches (`["text"]`, `[[1, 2]]`) are unwrapped."""
+
+    prompt: str | list[StrictInt]
+    echo: Annotated[StrictBool | None, Unsupported] = False
+    logprobs: Annotated[StrictInt | None, Unsupported] = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _normalize_prompt(cls, value: Any) -> str | list[int]:
+        if isinstance(value, str):
+            if not value:
+                raise _invalid("must not be empty")
+            return value
+        if not isinstance(value, list):
+            raise _invalid("must be a string or a list of token ids")
+        if not value:
+            raise _invalid("must not be empty")
+        if all(isinstance(v, (str, list)) for v in value):
+            # OpenAI's batched form: several prompts in one request. Each would need its own
+            # choice index and stream, which this server does not do.
+            if len(value) > 1:
+                raise _invalid("must be a single prompt: only one prompt per request is supported")
+            return cls._normalize_prompt(value[0])
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            raise _invalid("must be a string or a list of token ids (integers)")
+        return check_non_negative_ids(value)
+
+    @property
+    def prompt_token_ids(self) -> list[int] | None:
+        """The prompt when the client sent token ids, else None (text needs tokenizing)."""
+        return self.prompt if isinstance(self.prompt, list) else None
+
+    @property
+    def prompt_text(self) -> str | None:
+        return self.prompt if isinstance(self.prompt, str) else None
+
+
+class ChatCompletionRequest(_RequestBase):
+    """/v1/chat/completions. `max_completion_tokens` (OpenAI's newer name) wins over
+    `max_tokens` when both are given."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: OutputTokenLimit = None
+    logprobs: Annotated[StrictBool | None, Unsupported] = False
+    top_logprobs: Annotated[StrictInt | None, Unsupported] = None
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _check_messages_not_empty(cls, value: Any) -> Any:
+        if isinstance(value, list) and not value:
+            raise _invalid("must contain at least one message")
+        return value
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    @property
+    def prompt_param(self) -> str:
+        return "messages"
+
+    def conversation(self) -> list[dict[str, str]]:
+        """Messages as `[{"role", "content"}]`, the shape chat templates take."""
+        return [{"role": m.role, "content": m.content} for m in self.messages]
