@@ -7,7 +7,6 @@ real, not a precise one.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,15 +16,6 @@ from cluster.cli import main
 SMALL_RUN = ["--warmup", "1", "--iters", "2", "--max-tokens", "64", "--contexts", "0,64",
              "--decode-batches", "1,4", "--threads", "1", "--no-progress",
              "--matmul-size", "512", "--bandwidth-bytes", str(64 * 2**20)]
-
-
-@pytest.fixture(scope="session", autouse=True)
-def preset_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """Builtin presets go to a per-session folder, never into the user's cache."""
-    root = tmp_path_factory.mktemp("tokenflow-cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TOKENFLOW_CACHE_DIR", str(root))
-        yield root
 
 
 @pytest.fixture(scope="session")
