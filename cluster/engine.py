@@ -48,6 +48,7 @@ class LocalEngine:
             [PoolSpec(cfg.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching)],
             cfg.scheduler_config(), eos_token_ids=tuple(self.worker.eos_token_ids),
             max_model_len=cfg.max_model_len, max_queue_len=cfg.max_queue_len,
+            vocab_size=self.worker.vocab_size,
             clock=clock or time.monotonic, **cfg.core_options())
         self.events: DoubleBufferedEventQueue[Event] = DoubleBufferedEventQueue()
         self._pending: dict[str, deque[RequestOutput]] = defaultdict(deque)
@@ -62,11 +63,6 @@ class LocalEngine:
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, priority: int = 0,
                     tenant: str = "default") -> str:
-        vocab = self.worker.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty")
         request = self.core.add_request(prompt_token_ids, params, request_id, priority, tenant)
         return request.request_id
 

@@ -83,6 +83,7 @@ class ControllerActor:
             [PoolSpec(i.num_kv_blocks, i.block_size, opts.enable_prefix_caching) for i in infos],
             opts.scheduler, eos_token_ids=tuple(infos[0].eos_token_ids),
             max_model_len=self.max_model_len, max_queue_len=opts.max_queue_len,
+            vocab_size=self.vocab_size,
             clock=asyncio.get_running_loop().time, **opts.core)
         self.slots = [WorkerSlot(w, h, info, self.core, self._deliver)
                       for w, (h, info) in enumerate(zip(handles, infos, strict=True))]
@@ -103,10 +104,6 @@ class ControllerActor:
     def _admit(self, core: ControllerCore, prompt_token_ids: list[int],
                params: SamplingParams, request_id: str | None, priority: int,
                tenant: str) -> tuple[Request, int]:
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty")
-        if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
         request = core.add_request(prompt_token_ids, params, request_id, priority, tenant)
         worker = core.request_to_worker[request.request_id]
         self.slots[worker].num_routed += 1

@@ -59,11 +59,12 @@ class ControllerCore:
                  protection_config: ProtectionConfig | None = None,
                  cost_model: CostModel | None = None,
                  degraded_config: DegradedConfig | None = None,
-                 scheduler_cls: type[Scheduler] = Scheduler):
+                 scheduler_cls: type[Scheduler] = Scheduler, vocab_size: int | None = None):
         if not pools:
             raise ValueError("at least one worker is needed")
         self.clock = clock or (lambda: 0.0)
         self.eos_token_ids = eos_token_ids
+        self.vocab_size = vocab_size  # None: token ids are not checked here
         self.max_model_len = max_model_len
         self.max_queue_len = max_queue_len
         self.schedulers = [
@@ -95,6 +96,11 @@ class ControllerCore:
                     tenant: str = "default") -> Request:
         """Route and queue a request. ValueError for a request that can never run,
         QueueFullError when every queue is full."""
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.vocab_size
+        if vocab is not None and any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
         request = Request(request_id or self.new_request_id(), list(prompt_token_ids), params,
                           eos_token_ids=self.eos_token_ids, priority=priority,
                           arrival_time=self.clock(), tenant=tenant,

@@ -68,7 +68,8 @@ class FakeWorkerHandle:
 def make_actor(num_workers: int = 2) -> tuple[ControllerActor, list[FakeWorkerHandle]]:
     actor = ControllerActor(ControllerOptions(num_workers=num_workers))
     core = ControllerCore([PoolSpec(32, 4)] * num_workers,
-                          SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8))
+                          SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8),
+                          vocab_size=VOCAB)
     handles = [FakeWorkerHandle(FakeRunner(s, VOCAB)) for s in core.schedulers]
     info = WorkerInfo(32, 4, VOCAB, (), 1024, "/nowhere", "cpu", 0, 1)
     actor.core, actor.vocab_size = core, VOCAB
