@@ -138,6 +138,7 @@ class ControllerCore:
         worker = self.request_to_worker.pop(request_id, None)
         if worker is None:
             return None
+        self.protections[worker].forget(request_id)  # its prefill timing would linger
         return self.schedulers[worker].abort_request(request_id)
 
     # -- stepping ---------------------------------------------------------------------
