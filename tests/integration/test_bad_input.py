@@ -69,3 +69,14 @@ def test_refused_prompts_never_reach_the_controller(cluster: Cluster,
                      ).status_code == 422
     assert http.post(COMPLETIONS, json={**OK_BODY, "max_tokens": 0}).status_code == 400
     assert sum(w["num_routed"] for w in cluster.stats()["workers"]) == before
+
+
+def test_after_bad_input_nothing_leaks(cluster: Cluster, http: httpx.Client) -> None:
+    """Runs after the cases above (file order): no stuck request, no held KV block, and
+    both step loops alive."""
+    for body in ({**OK_BODY, "temperature": -1}, {**OK_BODY, "prompt": [10**6]}):
+        assert http.post(COMPLETIONS, json=body).status_code == 400
+    assert cluster.stats()["num_unfinished"] == 0
+    report = cluster.check_integrity()
+    assert all(w["checked"] for w in report["workers"]), report
+    assert all(w["num_used_blocks"] == 0 for w in cluster.stats()["workers"])
