@@ -208,6 +208,11 @@ class ControllerCore:
                 flow.on_cache_evict(event, now)
         return aborted
 
+    def reset_prefix_cache(self, worker: int) -> int:
+        """The worker lost its KV (restart): no prefix hash of its pool may be served again.
+        Returns how many hashes were dropped."""
+        return self.schedulers[worker].kv.pool.reset_prefix_cache()
+
     def has_work(self, worker: int) -> bool:
         return self.schedulers[worker].has_work()
 

@@ -109,7 +109,7 @@ class WorkerSlot:
         if plan.is_empty and not plan.finished_request_ids and not force:
             return False  # nothing can advance until a notify (flow control holds prefill)
         sent = time.perf_counter()
-        result = await self.handle.execute.remote(plan)
+        result = await self.handle.execute.remote(plan, self.info.incarnation)
         received = time.perf_counter()
         outputs = self.core.apply(self.index, plan, result)
         self.events.extend(self.core.take_events(self.index, result))
@@ -144,8 +144,10 @@ class WorkerSlot:
             self.notify()  # the worker must hear about the aborted request
 
     async def _fail_requests(self, err: BaseException) -> None:
-        """Finish every request of this worker with an error, then flush the finished ids
-        to the worker (a live one drops their blocks; a restarted one holds none)."""
+        """Finish every request of this worker with an error, forget every prefix hash of
+        its pool (a restarted worker's KV is zeros: a cached prefix would silently give
+        wrong tokens), learn the worker's new incarnation, then flush the finished ids to
+        the worker (a live one drops their blocks; a restarted one holds none)."""
         self.num_failures += 1
         sched = self.core.schedulers[self.index]
         for request_id in list(sched.requests):
@@ -153,10 +155,16 @@ class WorkerSlot:
             if out is not None:
                 out.error = f"worker {self.index} failed: {type(err).__name__}: {err}"
                 self.deliver(out)
+        # Before any await: no request may be admitted against the stale hashes.
+        self.core.reset_prefix_cache(self.index)
         self._collect_evicts()
+        try:
+            self.info = await self.handle.info.remote()
+        except Exception:
+            logger.warning("worker %d did not answer after its failure", self.index)
         plan = self.core.schedule(self.index)
         try:
-            await self.handle.execute.remote(plan)
+            await self.handle.execute.remote(plan, self.info.incarnation)
         except Exception:
             logger.warning("worker %d did not take the flush plan", self.index)
 
@@ -166,7 +174,8 @@ class WorkerSlot:
         pool = sched.kv.pool.stats()
         steps = max(self.num_steps, 1)
         return {
-            "worker": self.index, "device": self.info.device, "kv_usage": pool.usage,
+            "worker": self.index, "device": self.info.device, "pid": self.info.pid,
+            "incarnation": self.info.incarnation, "kv_usage": pool.usage,
             "num_blocks": pool.num_blocks, "num_free_blocks": pool.num_free,
             "num_used_blocks": pool.num_used, "num_cached_blocks": pool.num_cached,
             "num_running": len(sched.running), "num_waiting": sched.num_waiting,

@@ -160,6 +160,22 @@ class BlockPool:
             self._hash_to_block_id[target.block_hash] = dst
         self._free_ids.append(src)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every content hash: the KV behind them is gone (the worker restarted).
+
+        Cached-free blocks go back to the free list; a used block keeps its references but
+        not its hash, so no later request can share it. Returns how many hashes were dropped.
+        """
+        num_dropped = len(self._hash_to_block_id)
+        for block_id in self._cached_free.values():
+            self.blocks[block_id].block_hash = None
+            self._free_ids.append(block_id)
+        self._cached_free.clear()
+        for block_id in self._hash_to_block_id.values():
+            self.blocks[block_id].block_hash = None
+        self._hash_to_block_id.clear()
+        return num_dropped
+
     # -- invariants --------------------------------------------------------------
     def check_integrity(self) -> None:
         """Raise AssertionError when the three sets do not partition the pool."""

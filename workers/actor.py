@@ -11,6 +11,7 @@ one), and torch releases the GIL inside kernels anyway.
 from __future__ import annotations
 
 import os
+import uuid
 from dataclasses import dataclass
 
 from controller.messages import StepPlan, StepResult
@@ -29,6 +30,13 @@ class WorkerInfo:
     device: str
     pid: int
     torch_threads: int  # intra-op threads: Ray sets OMP_NUM_THREADS from num_cpus
+    # New for every start of the actor's process: a restarted worker has empty KV tensors,
+    # and a plan built against its predecessor's blocks must not run on it.
+    incarnation: str = ""
+
+
+class WorkerRestartedError(RuntimeError):
+    """A plan addressed to an earlier incarnation of this worker (its KV is gone)."""
 
 
 class WorkerActor:
@@ -43,6 +51,7 @@ class WorkerActor:
         if telemetry:
             self.worker.telemetry = make_source(str(self.worker.device), peak_bandwidth_bytes_s)
         self.num_steps = 0
+        self.incarnation = uuid.uuid4().hex
 
     def info(self) -> WorkerInfo:
         import torch
@@ -51,9 +60,14 @@ class WorkerActor:
         return WorkerInfo(w.num_kv_blocks, w.block_size, w.vocab_size,
                           tuple(w.eos_token_ids), w.model_config.max_model_len,
                           str(w.model_path), str(w.device), os.getpid(),
-                          torch.get_num_threads())
+                          torch.get_num_threads(), self.incarnation)
 
-    def execute(self, plan: StepPlan) -> StepResult:
+    def execute(self, plan: StepPlan, incarnation: str | None = None) -> StepResult:
+        """Run one step. `incarnation` names the process the plan was built for; a plan for
+        an earlier one is refused before it touches any state."""
+        if incarnation is not None and incarnation != self.incarnation:
+            raise WorkerRestartedError(
+                f"plan for worker incarnation {incarnation}, this is {self.incarnation}")
         self.num_steps += 1
         return self.worker.execute(plan)
 

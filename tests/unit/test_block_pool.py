@@ -73,3 +73,21 @@ def test_compaction_moves_top_blocks_down_and_remaps_tables():
     kv.free("d")
     kv.free("e")
     pool.check_integrity()
+
+
+def test_reset_prefix_cache_forgets_every_hash_and_keeps_references() -> None:
+    pool = BlockPool(6, 4, enable_prefix_caching=True)
+    held = pool.allocate(2)
+    freed = pool.allocate(2)
+    assert held is not None and freed is not None
+    for i, block_id in enumerate(held + freed):
+        pool.cache_block(block_id, bytes([i]))
+    pool.free(freed)  # now cached-free
+    assert pool.stats().num_cached == 2
+    assert pool.reset_prefix_cache() == 4
+    assert all(pool.lookup(bytes([i])) is None for i in range(4))
+    stats = pool.stats()
+    assert (stats.num_free, stats.num_used, stats.num_cached) == (4, 2, 0)
+    pool.check_integrity()
+    assert pool.free(held) == 2 and pool.stats().num_free == 6  # no hash comes back
+    pool.check_integrity()

@@ -23,7 +23,7 @@ from controller.scheduler import SchedulerConfig
 from controller.streams import merge_deltas
 from controller.worker_loop import WorkerSlot
 from tests.unit.fake_runner import FakeRunner
-from workers.actor import WorkerInfo
+from workers.actor import WorkerInfo, WorkerRestartedError
 
 VOCAB = 100
 PARAMS = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
@@ -45,10 +45,26 @@ class FakeWorkerHandle:
         self.entered = asyncio.Event()  # set once a step is in flight
         self.fail_next = False
         self.num_steps = 0
+        self.incarnation = "fake-0"
+        self.num_refused = 0  # plans addressed to an earlier incarnation
+        self.seen_computed: list[int] = []  # num_computed_tokens of every new request
         self.execute = _Method(self._execute)
         self.held_block_ids = _Method(self._held)
+        self.info = _Method(self._info)
 
-    async def _execute(self, plan: StepPlan) -> StepResult:
+    def restart(self) -> None:
+        """What a SIGKILL plus Ray's restart does: a new process with no KV and no state."""
+        self.incarnation = f"fake-{int(self.incarnation.split('-')[1]) + 1}"
+        self.runner.held.clear()
+
+    async def _info(self) -> WorkerInfo:
+        return make_info(self.incarnation)
+
+    async def _execute(self, plan: StepPlan, incarnation: str | None = None) -> StepResult:
+        if incarnation is not None and incarnation != self.incarnation:
+            self.num_refused += 1
+            raise WorkerRestartedError(f"{incarnation} is gone")
+        self.seen_computed.extend(new.num_computed_tokens for new in plan.new_requests)
         if self.fail_next:
             self.fail_next = False
             raise RuntimeError("boom")
@@ -65,13 +81,17 @@ class FakeWorkerHandle:
         return {b for blocks in self.runner.held.values() for b in blocks}
 
 
+def make_info(incarnation: str) -> WorkerInfo:
+    return WorkerInfo(32, 4, VOCAB, (), 1024, "/nowhere", "cpu", 0, 1, incarnation)
+
+
 def make_actor(num_workers: int = 2) -> tuple[ControllerActor, list[FakeWorkerHandle]]:
     actor = ControllerActor(ControllerOptions(num_workers=num_workers))
     core = ControllerCore([PoolSpec(32, 4)] * num_workers,
                           SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8),
                           vocab_size=VOCAB)
     handles = [FakeWorkerHandle(FakeRunner(s, VOCAB)) for s in core.schedulers]
-    info = WorkerInfo(32, 4, VOCAB, (), 1024, "/nowhere", "cpu", 0, 1)
+    info = make_info("fake-0")
     actor.core, actor.vocab_size = core, VOCAB
     actor.slots = [WorkerSlot(w, h, info, core, actor._deliver) for w, h in enumerate(handles)]
     for slot in actor.slots:
@@ -215,5 +235,28 @@ def test_subscriber_gets_all_its_requests_in_batches_and_aborts_on_leaving() -> 
         assert stats["num_aborted"] == 1 and stats["num_subscribers"] == 0
         assert all(w["checked"] for w in (await actor.check_integrity())["workers"])
         assert (await actor.stats())["num_streams"] == 0
+
+    run(main())
+
+
+def test_restarted_worker_never_serves_a_prefix_cached_before_it_died() -> None:
+    """A worker restart zeroes its KV: the controller must drop the pool's prefix hashes,
+    else a greedy request whose prefix was cached gets wrong tokens with no error."""
+    async def main() -> None:
+        actor, handles = make_actor(num_workers=1)
+        prompt = list(range(1, 14))  # 3 full blocks of 4, cached after the first run
+        await collect(actor, prompt, "before")
+        await collect(actor, prompt, "hit")
+        assert handles[0].seen_computed == [0, 12]  # the prefix cache serves 3 blocks
+        handles[0].restart()
+        # The first step after the restart is refused (it was planned for the old process).
+        failed = await collect(actor, prompt, "during")
+        assert failed[-1]["error"] and handles[0].num_refused == 1
+        after = await collect(actor, prompt, "after")
+        assert after[-1]["finish_reason"] == "length"
+        assert handles[0].seen_computed[-1] == 0  # computed anew, not read from dead KV
+        assert actor.core.schedulers[0].kv.pool.stats().num_used == 0
+        actor.core.check_integrity()
+        assert (await actor.stats())["workers"][0]["incarnation"] == "fake-1"
 
     run(main())
