@@ -123,7 +123,7 @@ class Driver:
             self._admit_due()
         engine, trace = self.engine, self.trace
         engine.keep_step_log = True
-        mode = engine.core.flows[0].mode.name
+        mode = engine.core.workers[0].flow.mode.name
         start = time.perf_counter()
         outputs = engine.step()
         elapsed = time.perf_counter() - start

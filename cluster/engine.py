@@ -12,8 +12,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from cluster.config import TokenflowConfig
-from controller.core import ControllerCore, Event, PoolSpec
-from controller.events import DoubleBufferedEventQueue
+from controller.core import ControllerCore, PoolSpec
 from controller.messages import SamplingParams, StepPlan, StepResult
 from controller.request import RequestOutput
 
@@ -50,14 +49,13 @@ class LocalEngine:
             max_model_len=cfg.max_model_len, max_queue_len=cfg.max_queue_len,
             vocab_size=self.worker.vocab_size,
             clock=clock or time.monotonic, **cfg.core_options())
-        self.events: DoubleBufferedEventQueue[Event] = DoubleBufferedEventQueue()
         self._pending: dict[str, deque[RequestOutput]] = defaultdict(deque)
         self.step_log: list[tuple[StepPlan, StepResult]] = []  # kept only when asked
         self.keep_step_log = False
 
     @property
     def scheduler(self):  # the single worker's scheduler
-        return self.core.schedulers[0]
+        return self.core.scheduler(0)
 
     # -- requests ---------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
@@ -70,23 +68,17 @@ class LocalEngine:
         out = self.core.abort(request_id)
         if out is not None:
             self._pending[request_id].append(out)
-            self.events.extend(self.core.take_events(0))
 
     # -- stepping ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One scheduler step on the worker; returns the deltas it produced."""
-        if not self.core.has_work(0):
-            return []
-        plan = self.core.schedule(0)
+        return self.core.step(0, self._execute)
+
+    def _execute(self, plan: StepPlan) -> StepResult:
         result = self.worker.execute(plan)
         if self.keep_step_log:
             self.step_log.append((plan, result))
-        outputs = self.core.apply(0, plan, result)
-        # Events of this step and evicts of aborts in between go through the double
-        # buffer, as in the Ray controller; flow control sees them before the next plan.
-        self.events.extend(self.core.take_events(0, result))
-        outputs += self.core.handle_events(0, self.events.drain())
-        return outputs
+        return result
 
     def has_unfinished(self) -> bool:
         return self.core.has_unfinished()

@@ -11,8 +11,8 @@ delta naming the worker), then one item per batch of new tokens. The HTTP ingres
 multiplexed form instead: `submit` per request plus one `subscribe` stream per ingress
 replica that carries every request's deltas, a list per step (controller/streams.py says
 why). Deltas that pile up while a consumer is slow are merged, never dropped.
-The worker actor class is injected as an import path (`ControllerOptions.worker_cls`) so the
-controller has no static dependency on torch code and tests can substitute a fake worker.
+The worker actor class is named by an import path (`ControllerOptions.worker_cls`) so the
+controller has no static dependency on torch code; tests inject a `worker_factory` instead.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import importlib
+import inspect
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import ray
@@ -37,9 +38,30 @@ logger = logging.getLogger(__name__)
 CONTROLLER_NAME = "tokenflow-controller"
 
 
+def start_worker_actors(opts: ControllerOptions) -> list[Any]:
+    """The default `WorkerFactory`: one worker actor per GPU, else `num_workers` on CPU."""
+    module, _, name = opts.worker_cls.partition(":")
+    worker_cls = ray.remote(getattr(importlib.import_module(module), name))
+    use_gpu = opts.device != "cpu" and ray.cluster_resources().get("GPU", 0) >= 1
+    num_workers = int(ray.cluster_resources()["GPU"]) if use_gpu else opts.num_workers
+    resources = {"num_gpus": 1 if use_gpu else 0, "num_cpus": opts.worker_num_cpus}
+    return [worker_cls.options(max_restarts=opts.worker_max_restarts, max_concurrency=1,
+                               **resources).remote(
+        opts.model, opts.num_kv_blocks, opts.block_size, opts.dtype, opts.seed,
+        "cuda" if use_gpu else "cpu", opts.telemetry, opts.peak_bandwidth_bytes_s)
+        for _ in range(num_workers)]
+
+
+# Starts the workers for the given options and returns their handles; each handle has
+# `info.remote()`, `execute.remote(plan, incarnation)` and `held_block_ids.remote()`.
+WorkerFactory = Callable[[ControllerOptions], Awaitable[list[Any]] | list[Any]]
+
+
 class ControllerActor:
-    def __init__(self, options: ControllerOptions) -> None:
+    def __init__(self, options: ControllerOptions,
+                 worker_factory: WorkerFactory | None = None) -> None:
         self.options = options
+        self.worker_factory = worker_factory or start_worker_actors
         self.core: ControllerCore | None = None
         self.slots: list[WorkerSlot] = []
         self.vocab_size = 0
@@ -66,16 +88,9 @@ class ControllerActor:
 
     async def _start(self) -> None:
         opts = self.options
-        module, _, name = opts.worker_cls.partition(":")
-        worker_cls = ray.remote(getattr(importlib.import_module(module), name))
-        use_gpu = opts.device != "cpu" and ray.cluster_resources().get("GPU", 0) >= 1
-        num_workers = int(ray.cluster_resources()["GPU"]) if use_gpu else opts.num_workers
-        resources = {"num_gpus": 1 if use_gpu else 0, "num_cpus": opts.worker_num_cpus}
-        handles = [worker_cls.options(max_restarts=opts.worker_max_restarts, max_concurrency=1,
-                                      **resources).remote(
-            opts.model, opts.num_kv_blocks, opts.block_size, opts.dtype, opts.seed,
-            "cuda" if use_gpu else "cpu", opts.telemetry, opts.peak_bandwidth_bytes_s)
-            for _ in range(num_workers)]
+        handles = self.worker_factory(opts)
+        if inspect.isawaitable(handles):
+            handles = await handles
         infos = await asyncio.gather(*(h.info.remote() for h in handles))
         self.vocab_size = infos[0].vocab_size
         self.max_model_len = min([opts.max_model_len, *(i.max_model_len for i in infos)])
@@ -89,8 +104,9 @@ class ControllerActor:
                       for w, (h, info) in enumerate(zip(handles, infos, strict=True))]
         for slot in self.slots:
             slot.start()
-        logger.info("controller started with %d %s workers", num_workers,
-                    "GPU" if use_gpu else "CPU")
+        logger.info("controller started with %d workers on %s", len(handles),
+                    ", ".join(sorted({i.device for i in infos})))
+
 
     async def model_info(self) -> dict[str, Any]:
         await self._started()

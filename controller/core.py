@@ -1,17 +1,19 @@
-"""The controller core: one Scheduler per worker, routing, request bookkeeping.
+"""The controller core: per-worker state, routing, request bookkeeping, the step verb.
 
-Torch-free and Ray-free. `LocalEngine` drives it with an in-process worker; the Ray
-controller actor drives it with one async step loop per worker actor. Both call the
-same three verbs per worker and step: `schedule(w)`, (the worker executes the plan),
-`apply(w, plan, result)`.
+Torch-free and Ray-free. One step of one worker is `plan = begin_step(w)`, the worker
+executes `plan`, `outputs = finish_step(w, plan, result)`; `step(w, execute)` is the
+synchronous form. `LocalEngine`, the Ray controller's async worker loop and the tests
+all drive the core through these verbs, so event handling (flow control, protections)
+lives here only: events never leave the core.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from controller.events import DoubleBufferedEventQueue
 from controller.flow import FlowConfig, FlowControl
 from controller.messages import CacheEvict, ChunkComplete, SamplingParams, StepPlan, StepResult
 from controller.protections import (
@@ -21,7 +23,7 @@ from controller.protections import (
     per_token_cost_model,
 )
 from controller.request import Request, RequestOutput
-from controller.scheduler import Scheduler, SchedulerConfig
+from controller.scheduler import Scheduler, SchedulerConfig, StepLimits
 from kvcache.block_pool import BlockPool
 from kvcache.manager import KVCacheManager
 
@@ -51,6 +53,31 @@ class QueueFullError(RuntimeError):
     """Every worker's waiting queue is at `max_queue_len`: the edge answers 429."""
 
 
+@dataclass
+class EventStats:
+    """What flow control has been told, per worker (for stats and metrics)."""
+
+    num_chunk_complete: int = 0
+    num_cache_evict: int = 0
+    last_evict_kv_usage: float = 0.0
+
+
+@dataclass
+class WorkerState:
+    """Everything the controller keeps per worker."""
+
+    scheduler: Scheduler
+    flow: FlowControl
+    protections: Protections
+    degraded: bool = False  # the last plan was made on the degraded path
+    # `chunk_complete` / `cache_evict` events, double-buffered: those produced while a
+    # step runs are handled before the next plan.
+    events: DoubleBufferedEventQueue[Event] = field(default_factory=DoubleBufferedEventQueue)
+    event_stats: EventStats = field(default_factory=EventStats)
+    # Outputs of requests a protection aborted outside `finish_step`; returned by the next.
+    outbox: list[RequestOutput] = field(default_factory=list)
+
+
 class ControllerCore:
     def __init__(self, pools: list[PoolSpec], scheduler_config: SchedulerConfig,
                  eos_token_ids: tuple[int, ...] = (), max_model_len: int | None = None,
@@ -67,25 +94,27 @@ class ControllerCore:
         self.vocab_size = vocab_size  # None: token ids are not checked here
         self.max_model_len = max_model_len
         self.max_queue_len = max_queue_len
-        self.schedulers = [
-            scheduler_cls(scheduler_config,
-                      KVCacheManager(BlockPool(p.num_blocks, p.block_size,
-                                               p.enable_prefix_caching)),
-                      clock=self.clock)
+        self.degraded_config = degraded_config or DegradedConfig()
+        cost_model = cost_model or per_token_cost_model(1e-4)
+        self.workers = [
+            WorkerState(
+                scheduler_cls(scheduler_config,
+                              KVCacheManager(BlockPool(p.num_blocks, p.block_size,
+                                                       p.enable_prefix_caching)),
+                              clock=self.clock),
+                FlowControl(flow_config),
+                Protections(protection_config or ProtectionConfig(), cost_model))
             for p in pools]
         self.request_to_worker: dict[str, int] = {}
         self._ids = itertools.count()
         self._next_tie = 0
-        self.flows = [FlowControl(flow_config) for _ in pools]
-        cost_model = cost_model or per_token_cost_model(1e-4)
-        self.protections = [Protections(protection_config or ProtectionConfig(), cost_model)
-                            for _ in pools]
-        self.degraded_config = degraded_config or DegradedConfig()
-        self.degraded = [False] * len(pools)
 
     @property
     def num_workers(self) -> int:
-        return len(self.schedulers)
+        return len(self.workers)
+
+    def scheduler(self, worker: int) -> Scheduler:
+        return self.workers[worker].scheduler
 
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}"
@@ -108,20 +137,20 @@ class ControllerCore:
         if request.request_id in self.request_to_worker:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         worker = self.route(request)
-        self.schedulers[worker].add_request(request)
+        self.workers[worker].scheduler.add_request(request)
         self.request_to_worker[request.request_id] = worker
         return request
 
     def route(self, request: Request) -> int:
         """Prefix affinity first (the worker holding most of the prompt's blocks), then
         least loaded: KV usage plus queued tokens relative to the pool."""
-        candidates = [w for w, s in enumerate(self.schedulers)
-                      if s.num_waiting < self.max_queue_len]
+        candidates = [w for w, state in enumerate(self.workers)
+                      if state.scheduler.num_waiting < self.max_queue_len]
         if not candidates:
             raise QueueFullError("all request queues are full")
 
         def score(w: int) -> tuple[int, float, int]:
-            sched = self.schedulers[w]
+            sched = self.workers[w].scheduler
             hits = len(sched.kv.get_computed_blocks(request.prompt_token_ids, count=False)) \
                 if sched.kv.pool.enable_prefix_caching else 0
             queued = sum(r.num_tokens_to_compute for r in sched.requests.values())
@@ -135,90 +164,113 @@ class ControllerCore:
         return worker
 
     def abort(self, request_id: str) -> RequestOutput | None:
+        """Finish a request as aborted; its blocks are released now (their `cache_evict`
+        reaches flow control before the worker's next plan)."""
         worker = self.request_to_worker.pop(request_id, None)
         if worker is None:
             return None
-        self.protections[worker].forget(request_id)  # its prefill timing would linger
-        return self.schedulers[worker].abort_request(request_id)
+        state = self.workers[worker]
+        state.protections.forget(request_id)  # its prefill timing would linger
+        out = state.scheduler.abort_request(request_id)
+        self._queue_evicts(state)
+        return out
 
     # -- stepping ---------------------------------------------------------------------
-    def schedule(self, worker: int) -> StepPlan:
-        """Plan a step within the limits flow control and the protections set now."""
-        sched, flow = self.schedulers[worker], self.flows[worker]
-        now = self.clock()
-        paused_too_long = (flow.paused_since is not None
-                           and now - flow.paused_since >= self.degraded_config.after_paused_s)
-        degraded = self.protections[worker].is_degraded(now) or paused_too_long
-        self.degraded[worker] = degraded
-        if degraded:  # everything else tripped: still serve, smallest chunk, one at a time
-            sched.chunk_limit = self.degraded_config.num_chunks
-            sched.chunk_cap_override = self.degraded_config.chunk_tokens or sched.block_size
-        else:
-            sched.chunk_limit = flow.max_concurrent_chunks
-            sched.chunk_cap_override = None
-        sched.progress_guard = not flow.paused
-        return sched.schedule()
+    def begin_step(self, worker: int) -> StepPlan:
+        """Plan one step within the limits flow control and the protections set now.
+        Every event queued so far is handled first."""
+        state = self.workers[worker]
+        state.outbox.extend(self._handle_events(state))
+        plan = state.scheduler.schedule(self._limits(state))
+        self._queue_evicts(state)  # preemptions inside schedule() released blocks
+        return plan
 
-    def apply(self, worker: int, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
-        """Apply a worker's result; the step's events come from `take_events`."""
-        sched = self.schedulers[worker]
-        outputs = sched.update_from_output(plan, result)
+    def finish_step(self, worker: int, plan: StepPlan,
+                    result: StepResult) -> list[RequestOutput]:
+        """Apply the worker's result and handle the step's events; returns the step's
+        outputs, including requests a protection aborted."""
+        state = self.workers[worker]
+        sched, flow, protections = state.scheduler, state.flow, state.protections
+        outputs = state.outbox + sched.update_from_output(plan, result)
+        state.outbox = []
         now = self.clock()
-        flow = self.flows[worker]
         flow.on_kv_usage(sched.kv.pool.usage, now)
         if result.bandwidth_utilization is not None:
             flow.on_bandwidth(result.bandwidth_utilization, now)
         for out in outputs:
             if out.num_output_tokens == 1 and out.new_token_ids:
-                self.protections[worker].on_prefill_done(out.request_id)
+                protections.on_prefill_done(out.request_id)
             if out.finished:
                 self.request_to_worker.pop(out.request_id, None)
-                self.protections[worker].forget(out.request_id)
+                protections.forget(out.request_id)
+        state.events.extend(result.chunk_events)
+        self._queue_evicts(state)
+        outputs += self._handle_events(state)
         return outputs
 
-    def take_events(self, worker: int, result: StepResult | None = None) -> list[Event]:
-        """The step's `chunk_complete` events and every `cache_evict` since the last call,
-        for the worker's double-buffered event queue."""
-        evicts = self.schedulers[worker].stats.cache_evicts
-        events: list[Event] = list(result.chunk_events) if result is not None else []
-        events.extend(evicts)
-        evicts.clear()
-        return events
+    def step(self, worker: int, execute: Callable[[StepPlan], StepResult]
+             ) -> list[RequestOutput]:
+        """One synchronous step: plan, `execute` on the worker, apply. Nothing to do: []."""
+        if not self.has_work(worker):
+            outputs, self.workers[worker].outbox = self.workers[worker].outbox, []
+            return outputs
+        plan = self.begin_step(worker)
+        return self.finish_step(worker, plan, execute(plan))
 
-    def handle_events(self, worker: int, events: list[Event]) -> list[RequestOutput]:
-        """Feed drained events to flow control and the protections; returns the outputs
+    def _limits(self, state: WorkerState) -> StepLimits:
+        flow, now = state.flow, self.clock()
+        paused_too_long = (flow.paused_since is not None
+                           and now - flow.paused_since >= self.degraded_config.after_paused_s)
+        state.degraded = state.protections.is_degraded(now) or paused_too_long
+        if state.degraded:  # everything else tripped: still serve, smallest chunk, one at a time
+            sched = state.scheduler
+            return StepLimits(self.degraded_config.num_chunks,
+                              self.degraded_config.chunk_tokens or sched.block_size)
+        # PREFILL_PAUSED recovers from telemetry alone: no forced progress there.
+        return StepLimits(flow.max_concurrent_chunks, progress_guard=not flow.paused)
+
+    def _queue_evicts(self, state: WorkerState) -> None:
+        evicts = state.scheduler.stats.cache_evicts
+        state.events.extend(evicts)
+        evicts.clear()
+
+    def _handle_events(self, state: WorkerState) -> list[RequestOutput]:
+        """Feed queued events to flow control and the protections; returns the outputs
         of requests a protection aborted (their blocks are already released)."""
-        now = self.clock()
-        flow, protections = self.flows[worker], self.protections[worker]
         aborted: list[RequestOutput] = []
-        for event in events:
-            if isinstance(event, CacheEvict):
-                flow.on_cache_evict(event, now)
-                continue
-            flow.on_chunk_complete(event, now)
-            error = protections.on_chunk_complete(event, now)
-            if error is not None:
-                out = self.abort(event.request_id)
-                if out is not None:
-                    out.error = error
-                    aborted.append(out)
-        # Aborts release blocks: their evicts go to flow control at once (no lost wake-up).
-        for event in self.take_events(worker):
-            if isinstance(event, CacheEvict):
-                flow.on_cache_evict(event, now)
+        now = self.clock()
+        batch = state.events.drain()
+        while batch:
+            for event in batch:
+                if isinstance(event, CacheEvict):
+                    state.event_stats.num_cache_evict += 1
+                    state.event_stats.last_evict_kv_usage = event.kv_usage
+                    state.flow.on_cache_evict(event, now)
+                    continue
+                state.event_stats.num_chunk_complete += 1
+                state.flow.on_chunk_complete(event, now)
+                error = state.protections.on_chunk_complete(event, now)
+                if error is not None:
+                    out = self.abort(event.request_id)  # queues its evicts
+                    if out is not None:
+                        out.error = error
+                        aborted.append(out)
+            # Aborts release blocks: their evicts reach flow control now (no lost wake-up).
+            batch = state.events.drain()
         return aborted
 
     def reset_prefix_cache(self, worker: int) -> int:
         """The worker lost its KV (restart): no prefix hash of its pool may be served again.
         Returns how many hashes were dropped."""
-        return self.schedulers[worker].kv.pool.reset_prefix_cache()
+        return self.workers[worker].scheduler.kv.pool.reset_prefix_cache()
 
     def has_work(self, worker: int) -> bool:
-        return self.schedulers[worker].has_work()
+        state = self.workers[worker]
+        return state.scheduler.has_work() or bool(state.outbox)
 
     def has_unfinished(self) -> bool:
-        return any(s.has_unfinished() for s in self.schedulers)
+        return any(state.scheduler.has_unfinished() for state in self.workers)
 
     def check_integrity(self) -> None:
-        for sched in self.schedulers:
-            sched.kv.pool.check_integrity()
+        for state in self.workers:
+            state.scheduler.kv.pool.check_integrity()

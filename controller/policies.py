@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from controller.messages import StepPlan
 from controller.request import Request, RequestStatus
-from controller.scheduler import Scheduler
+from controller.scheduler import Scheduler, StepLimits
 
 POLICIES = ("tokenflow", "prefill-first", "prefill-priority-chunked")
 
@@ -24,12 +24,13 @@ class _PrefillFirstBase(Scheduler):
 
     allow_cut = False  # may the first prefill of a step be cut to the budget?
 
-    def schedule(self) -> StepPlan:
+    def schedule(self, limits: StepLimits | None = None) -> StepPlan:
+        # Flow-control limits are the unified scheduler's; a baseline ignores them.
         plan = StepPlan(step_id=next(self._step_ids))
         scheduled: dict[str, int] = {}
         budget = self.config.max_num_batched_tokens
         # A cut prompt left over from the previous step continues first.
-        partial = [r for r in self.running if not r.is_decoding]
+        partial = [r for r in self.running if r.is_prefilling]
         for request in partial:
             num_new = min(request.num_tokens_to_compute, budget)
             if num_new > 0 and self._allocate_or_preempt(request, num_new, scheduled):
@@ -54,7 +55,7 @@ class _PrefillFirstBase(Scheduler):
             for request in [r for r in self.running if r.is_decoding]:
                 if budget == 0:
                     break
-                if request.status in (RequestStatus.DECODING, RequestStatus.PREFILL_CHUNKING) \
+                if request.status == RequestStatus.RUNNING \
                         and self._allocate_or_preempt(request, 1, scheduled):
                     scheduled[request.request_id] = 1
                     budget -= 1
@@ -70,7 +71,7 @@ class _PrefillFirstBase(Scheduler):
         request.num_computed_tokens = 0
         if request.first_scheduled_time is None:
             request.first_scheduled_time = self.clock()
-        request.status = RequestStatus.PREFILL_CHUNKING
+        request.status = RequestStatus.RUNNING
         self.running.append(request)
         return True
 
@@ -81,14 +82,9 @@ class PrefillFirstScheduler(_PrefillFirstBase):
 
     allow_cut = False
 
-    def _fill_plan(self, plan: StepPlan, scheduled: dict[str, int]) -> None:
+    def _max_plan_tokens(self, plan: StepPlan) -> int:
         # A whole prompt may exceed the budget here: that is the policy being measured.
-        saved = self.config.max_num_batched_tokens
-        self.config.max_num_batched_tokens = max(saved, sum(scheduled.values()))
-        try:
-            super()._fill_plan(plan, scheduled)
-        finally:
-            self.config.max_num_batched_tokens = saved
+        return max(self.config.max_num_batched_tokens, plan.total_num_scheduled_tokens)
 
 
 class PrefillPriorityChunkedScheduler(_PrefillFirstBase):

@@ -1,7 +1,8 @@
 """One `Request` per user request: the only per-request state the scheduler keeps.
 
 No prefill or decode phase is stored: a request has `num_computed_tokens` and
-`num_tokens`; the status is derived bookkeeping for metrics and flow control.
+`num_tokens`, and whether it is prefilling or decoding is derived from them (as in vLLM
+V1). The status says only where the request is: queued, running, preempted or finished.
 """
 
 from __future__ import annotations
@@ -14,8 +15,7 @@ from controller.messages import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
-    PREFILL_CHUNKING = "prefill_chunking"  # admitted, prompt not fully computed yet
-    DECODING = "decoding"
+    RUNNING = "running"  # admitted: holds blocks, advances every step it is scheduled
     PREEMPTED = "preempted"  # back in the waiting queue, blocks released
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
@@ -69,6 +69,12 @@ class Request:
     def is_decoding(self) -> bool:
         """Exactly one known token is not computed yet: the last sampled one."""
         return self.num_output_tokens > 0 and self.num_tokens_to_compute == 1
+
+    @property
+    def is_prefilling(self) -> bool:
+        """Running and not decoding: a prompt (or, after a preemption, prompt + output)
+        is being computed in chunks."""
+        return self.status == RequestStatus.RUNNING and not self.is_decoding
 
     @property
     def is_finished(self) -> bool:

@@ -1,10 +1,11 @@
-"""One token budget per step, no prefill or decode phase (DESIGN.md "Scheduling").
+"""One token budget per step, no prefill or decode phase: only `num_computed_tokens`.
 
 Each step, for one worker, in this order and never past `max_num_batched_tokens` nor
 `max_num_seqs`:
-1. running requests that decode: 1 token each;
-2. running requests still prefilling (PREFILL_CHUNKING): the next chunk;
+1. running requests that decode (one uncomputed token, the last sampled one): 1 token each;
+2. running requests still prefilling: the next chunk;
 3. waiting requests, by (priority, arrival): admitted with their first chunk.
+`StepLimits` (from flow control and the protections) narrows a step further.
 A running request that cannot get a block preempts by recompute the lowest-priority,
 latest-arrived running request (possibly itself), which returns to the waiting queue
 ahead of every later arrival of its priority. Waiting requests never preempt.
@@ -39,6 +40,18 @@ class SchedulerConfig:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
 
 
+@dataclass(frozen=True)
+class StepLimits:
+    """What flow control and the protections allow in one step, passed to `schedule`."""
+
+    max_chunks: int | None = None  # prefill chunks this step (0: decodes only); None: config
+    chunk_cap: int | None = None  # a smaller chunk cap (degraded path); None: config
+    # With prefill stopped and nothing decoding, let one running prefill continue (under
+    # cache pressure only finishing requests free blocks). False in PREFILL_PAUSED, which
+    # recovers from telemetry alone.
+    progress_guard: bool = True
+
+
 @dataclass
 class SchedulerStats:
     """Filled by the core, exported by the metrics module at the edge."""
@@ -53,8 +66,7 @@ class SchedulerStats:
     cache_evicts: list[CacheEvict] = field(default_factory=list)
 
 
-_RUNNING = (RequestStatus.PREFILL_CHUNKING, RequestStatus.DECODING)
-_SCHEDULABLE = (*_RUNNING, RequestStatus.WAITING, RequestStatus.PREEMPTED)
+_SCHEDULABLE = (RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
 
 class Scheduler:
@@ -73,14 +85,6 @@ class Scheduler:
         self._finished_ids: set[str] = set()  # to tell the worker next plan
         self.stats = SchedulerStats()
         self.tenant_stats = TenantStats()
-        # Set by flow control before `schedule()` (controller/flow.py): prefill chunks
-        # allowed this step (0 = decodes only), and a smaller chunk size when degraded.
-        self.chunk_limit: int | None = None
-        self.chunk_cap_override: int | None = None
-        # With prefill stopped and nothing decoding, let one running prefill continue
-        # (cache pressure: only finishing requests free blocks). Flow control clears it
-        # in PREFILL_PAUSED, which recovers from telemetry alone.
-        self.progress_guard = True
 
     # -- requests ----------------------------------------------------------------
     @property
@@ -119,7 +123,8 @@ class Scheduler:
         return bool(self.requests) or bool(self._finished_ids)
 
     # -- planning ------------------------------------------------------------------
-    def schedule(self) -> StepPlan:
+    def schedule(self, limits: StepLimits | None = None) -> StepPlan:
+        limits = limits or StepLimits()
         budget = self.config.max_num_batched_tokens
         plan = StepPlan(step_id=next(self._step_ids))
         plan.block_moves = self._maybe_defrag(plan.step_id)
@@ -130,7 +135,7 @@ class Scheduler:
         for request in [r for r in self.running if r.is_decoding]:
             if budget == 0:
                 break
-            if request.status not in _RUNNING:
+            if request.status != RequestStatus.RUNNING:
                 continue  # preempted as a victim earlier in this loop
             if self._allocate_or_preempt(request, 1, scheduled):
                 scheduled[request.request_id] = 1
@@ -140,18 +145,17 @@ class Scheduler:
         # 2 + 3: partial prefills, then admissions; admissions only if nothing was
         # preempted this step (a preemption means the pool is full: admitting would thrash).
         max_chunks = self.config.max_concurrent_chunks
-        if self.chunk_limit is not None:
-            max_chunks = min(max_chunks, self.chunk_limit)
+        if limits.max_chunks is not None:
+            max_chunks = min(max_chunks, limits.max_chunks)
         allow_admission = True
-        if (max_chunks == 0 and self.progress_guard and not scheduled
-                and any(r.status in _RUNNING for r in self.running)):
+        if max_chunks == 0 and limits.progress_guard and not scheduled and self.running:
             # Flow control stopped prefill, but nothing decodes: no step would ever free
             # a block (deadlock). The running prefills continue one chunk a step, so they
             # reach decode and finish; nobody new is admitted.
             max_chunks, allow_admission = 1, False
         if budget > 0 and max_chunks > 0:
-            self._schedule_prefills(budget, max_chunks, scheduled,
-                                    num_preemptions_before if allow_admission else -1)
+            self._schedule_prefills(budget, max_chunks, scheduled, limits.chunk_cap,
+                                    allow_admission, num_preemptions_before)
 
         self._fill_plan(plan, scheduled)
         self.stats.num_steps += 1
@@ -169,14 +173,16 @@ class Scheduler:
         return moves
 
     def _schedule_prefills(self, budget: int, max_chunks: int, scheduled: dict[str, int],
+                           chunk_cap: int | None, allow_admission: bool,
                            num_preemptions_before: int) -> None:
         """Prefill chunks within `budget`: running partial prefills first (they hold
         blocks), then waiting requests by (priority, arrival); split by tenant share when
-        several tenants compete, unused shares lent in a second pass."""
+        several tenants compete, unused shares lent in a second pass. Nobody is admitted
+        once this step preempted (the pool is full: admitting would thrash)."""
         def may_admit() -> bool:
-            return self.stats.num_preemptions == num_preemptions_before
+            return allow_admission and self.stats.num_preemptions == num_preemptions_before
 
-        partial = [r for r in self.running if not r.is_decoding]
+        partial = [r for r in self.running if r.is_prefilling]
         waiting = sorted(self.waiting.values(), key=lambda r: r.sort_key) if may_admit() else []
         candidates = partial + waiting
         weights = self.config.tenant_weights
@@ -193,8 +199,8 @@ class Scheduler:
                     budget, shares[request.tenant].left)
                 if limit <= 0:
                     continue
-                if request.status in _RUNNING:
-                    num_new = self._chunk_len(request, limit)
+                if request.status == RequestStatus.RUNNING:
+                    num_new = self._chunk_len(request, limit, chunk_cap)
                     if num_new == 0 or not self._allocate_or_preempt(request, num_new,
                                                                      scheduled):
                         continue
@@ -202,7 +208,7 @@ class Scheduler:
                     if (admission_blocked or not may_admit()
                             or not self._may_admit(request, waiting_tenants)):
                         continue
-                    num_new = self._admit(request, limit)
+                    num_new = self._admit(request, limit, chunk_cap)
                     if num_new == 0:
                         # FCFS: a later, smaller request must not overtake the head
                         # forever, so admission stops for this step.
@@ -227,12 +233,12 @@ class Scheduler:
         return num_own < seq_cap(self.config.max_num_seqs, request.tenant, waiting_tenants,
                                  self.config.tenant_weights)
 
-    def _admit(self, request: Request, limit: int) -> int:
+    def _admit(self, request: Request, limit: int, chunk_cap: int | None = None) -> int:
         """Move a waiting request to running with its first chunk; 0 when it cannot."""
         computed = self.kv.get_computed_blocks(request.all_token_ids)
         num_computed = len(computed) * self.block_size
         request.num_computed_tokens = num_computed
-        num_new = self._chunk_len(request, limit)
+        num_new = self._chunk_len(request, limit, chunk_cap)
         if num_new == 0 or self.kv.allocate_slots(
                 request.request_id, num_computed + num_new, computed) is None:
             request.num_computed_tokens = 0
@@ -242,18 +248,18 @@ class Scheduler:
             request.num_cached_tokens = num_computed
         if request.first_scheduled_time is None:
             request.first_scheduled_time = self.clock()
-        request.status = RequestStatus.PREFILL_CHUNKING
+        request.status = RequestStatus.RUNNING
         self.running.append(request)
         return num_new
 
-    def _chunk_len(self, request: Request, budget: int) -> int:
+    def _chunk_len(self, request: Request, budget: int, chunk_cap: int | None = None) -> int:
         """Next chunk: min(remaining, budget, chunk cap), its end on the block grid.
 
         Only the request's last chunk may end off the grid, except when the grid would
         give 0 tokens: progress beats alignment (a budget smaller than a block must not
         starve prefill), and the next chunk realigns.
         """
-        cap = self.chunk_cap_override or self.config.max_chunk_tokens or budget
+        cap = chunk_cap or self.config.max_chunk_tokens or budget
         remaining = request.num_tokens_to_compute
         num_new = min(remaining, budget, cap)
         if num_new < remaining:
@@ -308,16 +314,20 @@ class Scheduler:
             self._worker_known[request_id] = len(block_ids)
             plan.num_scheduled_tokens[request_id] = num_new
         plan.total_num_scheduled_tokens = sum(scheduled.values())
-        assert plan.total_num_scheduled_tokens <= self.config.max_num_batched_tokens
+        assert plan.total_num_scheduled_tokens <= self._max_plan_tokens(plan)
+
+    def _max_plan_tokens(self, plan: StepPlan) -> int:
+        """The plan-size invariant; a baseline policy may knowingly exceed the budget."""
+        return self.config.max_num_batched_tokens
 
     # -- results -------------------------------------------------------------------
     def update_from_output(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
         outputs = []
         for request_id, num_new in plan.num_scheduled_tokens.items():
             request = self.requests.get(request_id)
-            if request is None or request.status not in _RUNNING:
+            if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
-            is_prefill = not request.is_decoding
+            is_prefill = request.is_prefilling
             request.num_computed_tokens += num_new
             if is_prefill:
                 self.stats.num_prefill_tokens += num_new
@@ -332,8 +342,6 @@ class Scheduler:
             finish = request.check_stop() if sampled else None
             if finish is not None:
                 self._finish(request, finish)
-            elif request.num_computed_tokens >= request.num_prompt_tokens or sampled:
-                request.status = RequestStatus.DECODING
             if sampled or finish is not None:
                 outputs.append(self._output(request, sampled))
         return outputs

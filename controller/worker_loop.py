@@ -1,11 +1,11 @@
 """`WorkerSlot`: one worker actor as the controller sees it, with its async step loop.
 
-One step: drain the worker's event buffer (flow control sees every `chunk_complete` and
-`cache_evict` before it plans), `schedule`, await `execute` on the actor, `apply`, deliver
-the deltas. The loop parks on `wake` when there is nothing to send the worker; everything
-that can create work (a new request, an abort, an event) calls `notify()`. `parked` is set
-only while the loop waits and nobody has notified it since, which is what the integrity
-check needs to know that the worker has been told about every finished request.
+One step: `core.begin_step` (flow control sees every `chunk_complete` and `cache_evict`
+before it plans), await `execute` on the actor, `core.finish_step`, deliver the deltas.
+The loop parks on `wake` when there is nothing to send the worker; everything that can
+create work (a new request, an abort) calls `notify()`. `parked` is set only while the
+loop waits and nobody has notified it since, which is what the integrity check needs to
+know that the worker has been told about every finished request.
 """
 
 from __future__ import annotations
@@ -19,9 +19,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from controller.core import ControllerCore, Event
-from controller.events import DoubleBufferedEventQueue
-from controller.messages import CacheEvict
+from controller.core import ControllerCore
 from controller.request import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -40,14 +38,10 @@ class WorkerSlot:
         self.wake = asyncio.Event()
         self.telemetry_poll_s = 0.1  # empty steps while paused, for telemetry samples
         self.parked = asyncio.Event()
-        self.events: DoubleBufferedEventQueue[Event] = DoubleBufferedEventQueue(self.notify)
         self.task: asyncio.Task[None] | None = None
         self.num_routed = 0
         self.num_steps = 0
         self.num_failures = 0
-        self.num_chunk_complete = 0
-        self.num_cache_evict = 0
-        self.last_evict_kv_usage = 0.0
         self.wall_s = 0.0  # controller wall time per step, summed
         self.compute_s = 0.0  # worker-reported compute time, summed
         # Recent steps: (requests, tokens, wall s, worker compute s, actor call s). Wall
@@ -66,8 +60,8 @@ class WorkerSlot:
         self.wake.set()
 
     def after_release(self) -> None:
-        """Blocks were released outside a step (abort): queue the evicts, tell the loop."""
-        self._collect_evicts()
+        """Blocks were released outside a step (abort): the loop must tell flow control
+        and the worker."""
         self.notify()
 
     # -- the loop ---------------------------------------------------------------------------
@@ -97,25 +91,23 @@ class WorkerSlot:
                 await self.wake.wait()
 
     def _needs_telemetry(self) -> bool:
-        return self.core.flows[self.index].paused and self.core.has_work(self.index)
+        return self.core.workers[self.index].flow.paused and self.core.has_work(self.index)
 
     async def _step(self, force: bool = False) -> bool:
-        self._consume_events()  # evicts of aborts since the last step
         if not self.core.has_work(self.index):
             return False
         start = time.perf_counter()
-        plan = self.core.schedule(self.index)
-        self._collect_evicts()  # preemptions inside schedule() released blocks
+        plan = self.core.begin_step(self.index)
         if plan.is_empty and not plan.finished_request_ids and not force:
             return False  # nothing can advance until a notify (flow control holds prefill)
         sent = time.perf_counter()
         result = await self.handle.execute.remote(plan, self.info.incarnation)
         received = time.perf_counter()
-        outputs = self.core.apply(self.index, plan, result)
-        self.events.extend(self.core.take_events(self.index, result))
+        outputs = self.core.finish_step(self.index, plan, result)
         for out in outputs:
             self.deliver(out)
-        self._consume_events()  # flow control sees this step's events before the next plan
+        if any(out.error for out in outputs):
+            self.notify()  # a protection aborted a request: the worker must hear of it
         wall = time.perf_counter() - start
         self.num_steps += 1
         self.wall_s += wall
@@ -125,31 +117,13 @@ class WorkerSlot:
                              wall, result.elapsed_s, received - sent))
         return True
 
-    def _collect_evicts(self) -> None:
-        self.events.extend(self.core.take_events(self.index))
-
-    def _consume_events(self) -> None:
-        batch = self.events.drain()
-        if not batch:
-            return
-        for event in batch:
-            if isinstance(event, CacheEvict):
-                self.num_cache_evict += 1
-                self.last_evict_kv_usage = event.kv_usage
-            else:
-                self.num_chunk_complete += 1
-        # Flow control and the protections; a protection may abort requests (chunk timeout).
-        for out in self.core.handle_events(self.index, batch):
-            self.deliver(out)
-            self.notify()  # the worker must hear about the aborted request
-
     async def _fail_requests(self, err: BaseException) -> None:
         """Finish every request of this worker with an error, forget every prefix hash of
         its pool (a restarted worker's KV is zeros: a cached prefix would silently give
         wrong tokens), learn the worker's new incarnation, then flush the finished ids to
         the worker (a live one drops their blocks; a restarted one holds none)."""
         self.num_failures += 1
-        sched = self.core.schedulers[self.index]
+        sched = self.core.scheduler(self.index)
         for request_id in list(sched.requests):
             out = self.core.abort(request_id)
             if out is not None:
@@ -157,12 +131,11 @@ class WorkerSlot:
                 self.deliver(out)
         # Before any await: no request may be admitted against the stale hashes.
         self.core.reset_prefix_cache(self.index)
-        self._collect_evicts()
         try:
             self.info = await self.handle.info.remote()
         except Exception:
             logger.warning("worker %d did not answer after its failure", self.index)
-        plan = self.core.schedule(self.index)
+        plan = self.core.begin_step(self.index)  # empty: only the finished ids
         try:
             await self.handle.execute.remote(plan, self.info.incarnation)
         except Exception:
@@ -170,7 +143,8 @@ class WorkerSlot:
 
     # -- introspection ------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        sched = self.core.schedulers[self.index]
+        state = self.core.workers[self.index]
+        sched, events = state.scheduler, state.event_stats
         pool = sched.kv.pool.stats()
         steps = max(self.num_steps, 1)
         return {
@@ -184,15 +158,15 @@ class WorkerSlot:
             "step_wall_ms_avg": 1e3 * self.wall_s / steps,
             "worker_compute_ms_avg": 1e3 * self.compute_s / steps,
             "controller_overhead_ms_avg": 1e3 * (self.wall_s - self.compute_s) / steps,
-            "num_chunk_complete": self.num_chunk_complete,
-            "num_cache_evict": self.num_cache_evict,
-            "last_evict_kv_usage": self.last_evict_kv_usage,
+            "num_chunk_complete": events.num_chunk_complete,
+            "num_cache_evict": events.num_cache_evict,
+            "last_evict_kv_usage": events.last_evict_kv_usage,
         }
 
     async def check_idle_integrity(self, timeout_s: float) -> dict[str, Any]:
         """With no unfinished request here, wait until the loop parks (the worker has had
         every finished id), then neither side may hold a block."""
-        sched = self.core.schedulers[self.index]
+        sched = self.core.scheduler(self.index)
         if sched.has_unfinished():
             return {"worker": self.index, "checked": False, "reason": "requests in flight"}
         await asyncio.wait_for(self.parked.wait(), timeout_s)

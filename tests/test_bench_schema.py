@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from benchmarks.run import BENCHMARKS, run_benchmarks
+from benchmarks.run import run_benchmarks
 
 TARGET_KEYS = {"value", "target", "comparison", "met", "missed_by", "why"}
 
@@ -38,10 +38,6 @@ def quick_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[dict[
         torch.set_num_threads(threads)
     path = tmp_path / "results" / "engine.json"
     return json.loads(path.read_text(encoding="utf-8")), path.parent
-
-
-def test_engine_is_registered() -> None:
-    assert callable(BENCHMARKS["engine"])
 
 
 def test_quick_engine_report_schema(quick_report: tuple[dict[str, Any], Path]) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from benchmarks.run import BENCHMARKS, run_benchmarks
+from benchmarks.run import run_benchmarks
 from controller.policies import POLICIES
 
 TARGETS = {"p99_itl_during_long_prefill_vs_slo", "p99_itl_during_long_prefill_vs_prefill_first",
@@ -40,10 +40,6 @@ def quick_report(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, An
     finally:
         torch.set_num_threads(threads)
     return json.loads((out_dir / "policies.json").read_text(encoding="utf-8")), out_dir
-
-
-def test_policies_is_registered() -> None:
-    assert callable(BENCHMARKS["policies"])
 
 
 def test_quick_report_files(quick_report: tuple[dict[str, Any], Path]) -> None:

@@ -37,7 +37,7 @@ def test_engine_uses_budget_file_field(table_path: Path) -> None:
     table = BudgetTable.load(table_path)
     _check_engine(engine, table)
     # Deviation warnings and budget_score compare against the table's cost model.
-    cost_model = engine.core.protections[0].cost_model
+    cost_model = engine.core.workers[0].protections.cost_model
     assert cost_model(48, 16) == table.predict(48, 16) != TokenflowConfig().cost_model()(48, 16)
 
 

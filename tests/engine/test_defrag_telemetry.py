@@ -55,7 +55,7 @@ def test_scripted_telemetry_drives_the_throttle_through_the_engine():
         chunks_per_step.append(sum(1 for n in plan.num_scheduled_tokens.values() if n > 1))
         clock["now"] += 0.5
     assert chunks_per_step[0] == 4  # NORMAL at first
-    flow = engine.core.flows[0]
+    flow = engine.core.workers[0].flow
     assert flow.stats.transitions >= 1 and flow.throttle_level == 1
     # after 3 s above 95 %: one chunk per step
     assert max(chunks_per_step[8:]) <= 1

@@ -1,49 +1,87 @@
-"""A fake worker for scheduler tests: samples a seeded token whenever a request's known
-tokens are all computed, as the real worker does, and reports `chunk_complete` events
-with a scripted cost and bandwidth. Torch-free."""
+"""A fake worker for scheduler tests. Torch-free.
+
+It keeps its own per-request state, built only from the plans' diffs (as the real worker
+does), and checks every diff against it: a cached request it does not hold, a
+`num_computed_tokens` that disagrees with what it computed, or a block table too small for
+the scheduled tokens fails the test. It samples a seeded token whenever a request's known
+tokens are all computed, and reports `chunk_complete` events with a scripted cost and
+bandwidth.
+"""
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from controller.messages import ChunkComplete, StepPlan, StepResult
 from controller.scheduler import Scheduler
 
 
+@dataclass
+class _FakeRequest:
+    token_ids: list[int]  # prompt + sampled, as this worker knows them
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
 class FakeRunner:
-    def __init__(self, scheduler: Scheduler, vocab_size: int = 100, seed: int = 0,
+    def __init__(self, scheduler: Scheduler | None = None, vocab_size: int = 100, seed: int = 0,
                  chunk_cost: Callable[[str, int, int], float] | None = None,
-                 bandwidth: Callable[[], float | None] | None = None):
-        self.scheduler = scheduler
+                 bandwidth: Callable[[], float | None] | None = None,
+                 block_size: int | None = None):
+        self.scheduler = scheduler  # only for `step()`; execute reads the plan alone
         self.vocab_size = vocab_size
+        if block_size is None:
+            assert scheduler is not None, "a block size or a scheduler to take it from"
+            block_size = scheduler.block_size
+        self.block_size = block_size
         self.rng = random.Random(seed)
-        self.held: dict[str, list[int]] = {}  # request id -> block ids, from the diffs
+        self.requests: dict[str, _FakeRequest] = {}
         self.request_to_num_chunks: dict[str, int] = {}
         # (request_id, start, num_tokens) -> seconds the chunk "took"
         self.chunk_cost = chunk_cost or (lambda rid, start, n: 1e-4 * n)
         self.bandwidth = bandwidth or (lambda: None)
 
+    @property
+    def held(self) -> dict[str, list[int]]:
+        """Request id -> block ids, as the diffs built them."""
+        return {rid: r.block_ids for rid, r in self.requests.items()}
+
     def execute(self, plan: StepPlan) -> StepResult:
         for request_id in plan.finished_request_ids:
-            self.held.pop(request_id, None)
-        for block_ids in self.held.values():  # defragmentation renames blocks
-            block_ids[:] = [plan.block_moves.get(b, b) for b in block_ids]
+            self.requests.pop(request_id, None)
+        for req in self.requests.values():  # defragmentation renames blocks
+            req.block_ids[:] = [plan.block_moves.get(b, b) for b in req.block_ids]
         for new in plan.new_requests:
-            self.held[new.request_id] = list(new.block_ids)
+            assert new.request_id not in self.requests, f"{new.request_id} sent new twice"
+            num_prompt = len(new.token_ids) - new.num_output_tokens
+            self.requests[new.request_id] = _FakeRequest(
+                list(new.token_ids), num_prompt, list(new.block_ids), new.num_computed_tokens)
         for cached in plan.cached_requests:
-            self.held[cached.request_id].extend(cached.new_block_ids)
+            req = self.requests.get(cached.request_id)
+            assert req is not None, f"diff for {cached.request_id}, which the worker never got"
+            assert cached.num_computed_tokens == req.num_computed_tokens, (
+                cached.request_id, cached.num_computed_tokens, req.num_computed_tokens)
+            req.block_ids.extend(cached.new_block_ids)
+        scheduled_ids = set(plan.num_scheduled_tokens)
+        sent_ids = {n.request_id for n in plan.new_requests} | {
+            c.request_id for c in plan.cached_requests}
+        assert scheduled_ids == sent_ids, "scheduled requests and diffs disagree"
         result = StepResult(step_id=plan.step_id, num_tokens=plan.total_num_scheduled_tokens,
                             bandwidth_utilization=self.bandwidth())
         for request_id, num_new in plan.num_scheduled_tokens.items():
-            request = self.scheduler.requests[request_id]
-            # The worker's block table mirrors the scheduler's after applying the diffs.
-            assert self.held[request_id] == self.scheduler.kv.block_ids(request_id)
-            start = request.num_computed_tokens
-            done = start + num_new == request.num_tokens
-            result.sampled_token_ids[request_id] = (
-                [self.rng.randrange(self.vocab_size)] if done else [])
-            if start < request.num_prompt_tokens:
+            req = self.requests[request_id]
+            start = req.num_computed_tokens
+            end = start + num_new
+            assert num_new > 0 and end <= len(req.token_ids), (request_id, start, num_new)
+            assert end <= len(req.block_ids) * self.block_size, "block table too small"
+            req.num_computed_tokens = end
+            sampled = [self.rng.randrange(self.vocab_size)] if end == len(req.token_ids) else []
+            req.token_ids.extend(sampled)
+            result.sampled_token_ids[request_id] = sampled
+            if start < req.num_prompt_tokens:
                 index = self.request_to_num_chunks.get(request_id, 0)
                 self.request_to_num_chunks[request_id] = index + 1
                 elapsed = self.chunk_cost(request_id, start, num_new)
@@ -53,5 +91,6 @@ class FakeRunner:
         return result
 
     def step(self) -> list:
+        assert self.scheduler is not None
         plan = self.scheduler.schedule()
         return self.scheduler.update_from_output(plan, self.execute(plan))

@@ -15,13 +15,11 @@ from typing import Any
 import pytest
 
 from controller.actor import ControllerActor
-from controller.core import ControllerCore, PoolSpec
 from controller.messages import SamplingParams, StepPlan, StepResult
 from controller.options import ControllerOptions
 from controller.request import RequestOutput
 from controller.scheduler import SchedulerConfig
 from controller.streams import merge_deltas
-from controller.worker_loop import WorkerSlot
 from tests.unit.fake_runner import FakeRunner
 from workers.actor import WorkerInfo, WorkerRestartedError
 
@@ -55,7 +53,7 @@ class FakeWorkerHandle:
     def restart(self) -> None:
         """What a SIGKILL plus Ray's restart does: a new process with no KV and no state."""
         self.incarnation = f"fake-{int(self.incarnation.split('-')[1]) + 1}"
-        self.runner.held.clear()
+        self.runner.requests.clear()
 
     async def _info(self) -> WorkerInfo:
         return make_info(self.incarnation)
@@ -68,9 +66,7 @@ class FakeWorkerHandle:
         if self.fail_next:
             self.fail_next = False
             raise RuntimeError("boom")
-        # Computed at dispatch: the fake reads the scheduler's requests, which an abort
-        # during the step would remove (a real worker keeps its own copy).
-        result = self.runner.execute(plan)
+        result = self.runner.execute(plan)  # the runner keeps its own per-request state
         self.entered.set()
         await asyncio.sleep(0)  # a real actor call always suspends the loop
         await self.gate.wait()
@@ -86,18 +82,17 @@ def make_info(incarnation: str) -> WorkerInfo:
 
 
 def make_actor(num_workers: int = 2) -> tuple[ControllerActor, list[FakeWorkerHandle]]:
-    actor = ControllerActor(ControllerOptions(num_workers=num_workers))
-    core = ControllerCore([PoolSpec(32, 4)] * num_workers,
-                          SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8),
-                          vocab_size=VOCAB)
-    handles = [FakeWorkerHandle(FakeRunner(s, VOCAB)) for s in core.schedulers]
-    info = make_info("fake-0")
-    actor.core, actor.vocab_size = core, VOCAB
-    actor.slots = [WorkerSlot(w, h, info, core, actor._deliver) for w, h in enumerate(handles)]
-    for slot in actor.slots:
-        slot.start()
-    actor._start_task = asyncio.ensure_future(asyncio.sleep(0))  # already started
-    return actor, handles
+    """A controller whose injected factory starts fake workers (32 blocks of 4 tokens)."""
+    handles = [FakeWorkerHandle(FakeRunner(vocab_size=VOCAB, block_size=4))
+               for _ in range(num_workers)]
+
+    def start_workers(opts: ControllerOptions) -> list[FakeWorkerHandle]:
+        assert opts.num_workers == num_workers
+        return handles
+
+    options = ControllerOptions(num_workers=num_workers, scheduler=SchedulerConfig(
+        max_num_batched_tokens=64, max_num_seqs=8))
+    return ControllerActor(options, worker_factory=start_workers), handles
 
 
 async def collect(actor: ControllerActor, prompt: list[int], request_id: str,
@@ -255,7 +250,7 @@ def test_restarted_worker_never_serves_a_prefix_cached_before_it_died() -> None:
         after = await collect(actor, prompt, "after")
         assert after[-1]["finish_reason"] == "length"
         assert handles[0].seen_computed[-1] == 0  # computed anew, not read from dead KV
-        assert actor.core.schedulers[0].kv.pool.stats().num_used == 0
+        assert actor.core.scheduler(0).kv.pool.stats().num_used == 0
         actor.core.check_integrity()
         assert (await actor.stats())["workers"][0]["incarnation"] == "fake-1"
 

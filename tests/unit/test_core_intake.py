@@ -20,12 +20,14 @@ def test_bad_prompt_is_refused_without_a_trace(prompt, message):
 
 
 def test_abort_mid_prefill_leaves_no_protection_state():
-    from controller.messages import ChunkComplete
+    from tests.unit.fake_runner import FakeRunner
 
     core = ControllerCore([PoolSpec(64, 4)], SchedulerConfig(max_num_batched_tokens=8))
     request = core.add_request(list(range(1, 40)), SamplingParams(max_tokens=2))
-    core.handle_events(0, [ChunkComplete(request.request_id, 0, 0, 8, 0.01, 0)])
-    assert core.protections[0]._prefills
+    runner = FakeRunner(core.scheduler(0))
+    core.step(0, runner.execute)  # the first chunk: 8 of 39 tokens
+    protections = core.workers[0].protections
+    assert protections._prefills
     assert core.abort(request.request_id) is not None
-    assert not core.protections[0]._prefills
+    assert not protections._prefills
     core.check_integrity()

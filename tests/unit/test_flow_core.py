@@ -4,7 +4,6 @@ scripted worker, injected time (deterministic)."""
 from __future__ import annotations
 
 from controller.core import ControllerCore, PoolSpec
-from controller.events import DoubleBufferedEventQueue
 from controller.flow import FlowConfig, Mode
 from controller.messages import SamplingParams, StepPlan
 from controller.protections import ProtectionConfig
@@ -15,7 +14,7 @@ PARAMS = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 
 
 class Harness:
-    """The step sequence of LocalEngine and the Ray step loop, in virtual time."""
+    """The core's step verb, as LocalEngine and the Ray step loop call it, in virtual time."""
 
     def __init__(self, num_blocks=100, budget=64, chunk_cost=None, bandwidth=None,
                  protections=None, dt=0.5, max_chunk_tokens=None):
@@ -26,26 +25,22 @@ class Harness:
             SchedulerConfig(max_num_batched_tokens=budget, max_chunk_tokens=max_chunk_tokens),
             clock=lambda: self.now, flow_config=FlowConfig(),
             protection_config=protections or ProtectionConfig())
-        self.sched = self.core.schedulers[0]
+        self.sched = self.core.scheduler(0)
         self.runner = FakeRunner(self.sched, chunk_cost=chunk_cost, bandwidth=bandwidth)
-        self.events: DoubleBufferedEventQueue = DoubleBufferedEventQueue()
         self.plans: list[StepPlan] = []
         self.outputs: list = []
 
     @property
     def flow(self):
-        return self.core.flows[0]
+        return self.core.workers[0].flow
 
     def add(self, rid: str, prompt_len: int, max_tokens: int = 40):
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         return self.core.add_request(list(range(1, prompt_len + 1)), params, request_id=rid)
 
     def step(self) -> StepPlan:
-        plan = self.core.schedule(0)
-        result = self.runner.execute(plan)
-        outputs = self.core.apply(0, plan, result)
-        self.events.extend(self.core.take_events(0, result))
-        outputs += self.core.handle_events(0, self.events.drain())
+        plan = self.core.begin_step(0)
+        outputs = self.core.finish_step(0, plan, self.runner.execute(plan))
         self.plans.append(plan)
         self.outputs.extend(outputs)
         self.now += self.dt
@@ -135,7 +130,7 @@ def test_chunk_timeout_aborts_with_error_and_frees_blocks():
     assert not h.runner.held or all(not v for v in h.runner.held.values())
     assert h.sched.kv.pool.num_used == 0
     h.core.check_integrity()
-    assert h.core.protections[0].stats.num_timeouts == 1
+    assert h.core.workers[0].protections.stats.num_timeouts == 1
 
 
 def test_repeated_timeouts_switch_to_degraded_path_that_keeps_serving():
@@ -147,10 +142,10 @@ def test_repeated_timeouts_switch_to_degraded_path_that_keeps_serving():
         h.add(f"slow{i}", 30)
     while h.core.has_unfinished():
         h.step()
-    assert h.core.protections[0].is_degraded(h.now)
+    assert h.core.workers[0].protections.is_degraded(h.now)
     h.add("after", 100, max_tokens=3)
     plan = h.step()
-    assert h.core.degraded[0]
+    assert h.core.workers[0].degraded
     assert plan.num_scheduled_tokens["after"] == 4  # smallest chunk: one block
     while h.core.has_unfinished():
         h.step()

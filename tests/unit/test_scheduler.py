@@ -1,5 +1,6 @@
 """Scheduler unit and property tests: no torch, a fake runner output."""
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -114,12 +115,13 @@ def test_property_budget_order_completion_integrity(specs, budget, num_blocks, b
         assert plan.total_num_scheduled_tokens <= budget
         assert len(plan.num_scheduled_tokens) <= max_num_seqs
         # Decode first: a decode may only be left out when the budget was spent on
-        # other decodes (or it was preempted); never in favour of a new prefill.
-        new_prefill = {r.request_id for r in plan.new_requests}
+        # other decodes (or it was preempted); never in favour of any prefill, a new
+        # request's or a running request's next chunk.
+        prefill_ids = set(plan.num_scheduled_tokens) - decoding_before
         skipped = {rid for rid in decoding_before if rid not in plan.num_scheduled_tokens
                    and rid in sched.requests and sched.requests[rid] in sched.running}
         if skipped:
-            assert not new_prefill
+            assert not prefill_ids, (skipped, prefill_ids)
         for out in sched.update_from_output(plan, runner.execute(plan)):
             if out.finished:
                 finished.add(out.request_id)
@@ -128,3 +130,24 @@ def test_property_budget_order_completion_integrity(specs, budget, num_blocks, b
             break
     assert finished == expected, f"unfinished: {expected - finished}"
     assert sched.kv.pool.num_used == 0
+
+
+def test_fake_runner_rejects_a_diff_that_disagrees_with_what_it_computed():
+    """The fake worker builds its state from the diffs alone, so a wrong diff fails."""
+    import dataclasses
+
+    sched = make_scheduler(64, 32, 4, 8, False, 4)
+    runner = FakeRunner(sched)
+    sched.add_request(make_request("a", 10, 4))
+    runner.step()  # the whole prompt: "a" now decodes
+    plan = sched.schedule()
+    (cached,) = plan.cached_requests
+    plan.cached_requests = [dataclasses.replace(
+        cached, num_computed_tokens=cached.num_computed_tokens - 1)]
+    with pytest.raises(AssertionError):
+        runner.execute(plan)
+    unknown = sched.schedule()
+    unknown.cached_requests = [dataclasses.replace(cached, request_id="ghost")]
+    unknown.num_scheduled_tokens = {"ghost": 1}
+    with pytest.raises(AssertionError, match="never got"):
+        runner.execute(unknown)
