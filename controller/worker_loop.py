@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -143,24 +144,16 @@ class WorkerSlot:
 
     # -- introspection ------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        state = self.core.workers[self.index]
-        sched, events = state.scheduler, state.event_stats
-        pool = sched.kv.pool.stats()
         steps = max(self.num_steps, 1)
         return {
             "worker": self.index, "device": self.info.device, "pid": self.info.pid,
-            "incarnation": self.info.incarnation, "kv_usage": pool.usage,
-            "num_blocks": pool.num_blocks, "num_free_blocks": pool.num_free,
-            "num_used_blocks": pool.num_used, "num_cached_blocks": pool.num_cached,
-            "num_running": len(sched.running), "num_waiting": sched.num_waiting,
-            "num_routed": self.num_routed, "num_steps": self.num_steps,
+            "incarnation": self.info.incarnation,
+            **dataclasses.asdict(self.core.worker_stats(self.index)),
+            "num_routed": self.num_routed, "num_loop_steps": self.num_steps,
             "num_failures": self.num_failures, "parked": self.parked.is_set(),
             "step_wall_ms_avg": 1e3 * self.wall_s / steps,
             "worker_compute_ms_avg": 1e3 * self.compute_s / steps,
             "controller_overhead_ms_avg": 1e3 * (self.wall_s - self.compute_s) / steps,
-            "num_chunk_complete": events.num_chunk_complete,
-            "num_cache_evict": events.num_cache_evict,
-            "last_evict_kv_usage": events.last_evict_kv_usage,
         }
 
     async def check_idle_integrity(self, timeout_s: float) -> dict[str, Any]:

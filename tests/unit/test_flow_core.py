@@ -151,3 +151,18 @@ def test_repeated_timeouts_switch_to_degraded_path_that_keeps_serving():
         h.step()
     assert [o.finish_reason for o in h.outputs if o.request_id == "after" and o.finished] \
         == ["length"]
+
+
+def test_worker_stats_is_one_snapshot_of_every_counter():
+    h = Harness(num_blocks=100, budget=64)
+    h.core.add_request(list(range(1, 30)), PARAMS, request_id="a", tenant="t1")
+    h.core.add_request(list(range(1, 90)), PARAMS, request_id="b", tenant="t2")
+    for _ in range(3):
+        h.step()
+    stats = h.core.worker_stats(0)
+    assert stats.num_steps == 3 and stats.flow_mode == h.flow.mode.name
+    assert stats.num_prefill_tokens == 29 + 89
+    assert stats.tenant_to_prefill_tokens == {"t1": 29, "t2": 89}
+    assert stats.num_decode_tokens == h.core.scheduler(0).stats.num_decode_tokens > 0
+    assert stats.num_chunk_complete >= 3  # a: 1 chunk, b: 2 chunks at least
+    assert stats.num_used_blocks + stats.num_free_blocks + stats.num_cached_blocks == 100
