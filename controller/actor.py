@@ -52,6 +52,14 @@ def start_worker_actors(opts: ControllerOptions) -> list[Any]:
         for _ in range(num_workers)]
 
 
+def _kill_actor(handle: Any) -> None:
+    """Kill a failed or hung worker actor; Ray restarts it (max_restarts permitting)."""
+    try:
+        ray.kill(handle, no_restart=False)
+    except Exception as err:  # already dead: Ray is restarting it or gave up on it
+        logger.warning("could not kill worker: %s", err)
+
+
 # Starts the workers for the given options and returns their handles; each handle has
 # `info.remote()`, `execute.remote(plan, incarnation)` and `held_block_ids.remote()`.
 WorkerFactory = Callable[[ControllerOptions], Awaitable[list[Any]] | list[Any]]
@@ -59,9 +67,11 @@ WorkerFactory = Callable[[ControllerOptions], Awaitable[list[Any]] | list[Any]]
 
 class ControllerActor:
     def __init__(self, options: ControllerOptions,
-                 worker_factory: WorkerFactory | None = None) -> None:
+                 worker_factory: WorkerFactory | None = None,
+                 kill_worker: Callable[[Any], None] | None = None) -> None:
         self.options = options
         self.worker_factory = worker_factory or start_worker_actors
+        self.kill_worker = kill_worker or _kill_actor
         self.core: ControllerCore | None = None
         self.slots: list[WorkerSlot] = []
         self.vocab_size = 0
@@ -100,9 +110,11 @@ class ControllerActor:
             max_model_len=self.max_model_len, max_queue_len=opts.max_queue_len,
             vocab_size=self.vocab_size,
             clock=asyncio.get_running_loop().time, **opts.core)
-        self.slots = [WorkerSlot(w, h, info, self.core, self._deliver)
+        self.slots = [WorkerSlot(w, h, info, self.core, self._deliver, kill=self.kill_worker,
+                                 recovery=opts.recovery)
                       for w, (h, info) in enumerate(zip(handles, infos, strict=True))]
         for slot in self.slots:
+            slot.on_requests_moved = self._wake_workers
             slot.start()
         logger.info("controller started with %d workers on %s", len(handles),
                     ", ".join(sorted({i.device for i in infos})))
@@ -231,10 +243,24 @@ class ControllerActor:
         return {"workers": report}
 
     async def ping(self) -> dict[str, Any]:
-        await self._started()
+        """Ready to serve: every step loop alive and at least one worker up."""
+        core = await self._started()
         dead = [s.index for s in self.slots if s.task is None or s.task.done()]
-        return {"ok": not dead, "dead_loops": dead}
+        workers = [{"worker": s.index, "up": core.workers[s.index].is_up, "pid": s.info.pid,
+                    "num_failures": s.num_failures} for s in self.slots]
+        num_up = sum(w["up"] for w in workers)
+        return {"ok": not dead and num_up > 0, "dead_loops": dead, "num_workers_up": num_up,
+                "workers": workers}
 
+    async def wait_workers_up(self, timeout_s: float = 120.0) -> dict[str, Any]:
+        """Return once every worker is up (restarted ones included), or raise TimeoutError."""
+        await self._started()
+        await asyncio.wait_for(asyncio.gather(*(s.up.wait() for s in self.slots)), timeout_s)
+        return await self.ping()
+
+    def _wake_workers(self, workers: list[int]) -> None:
+        for w in workers:
+            self.slots[w].notify()
 
 def get_or_create_controller(options: ControllerOptions) -> ray.actor.ActorHandle:
     """The named singleton: created on first call, the existing actor afterwards."""

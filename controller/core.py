@@ -22,7 +22,7 @@ from controller.protections import (
     Protections,
     per_token_cost_model,
 )
-from controller.request import Request, RequestOutput
+from controller.request import Request, RequestOutput, RequestStatus
 from controller.scheduler import Scheduler, SchedulerConfig, StepLimits
 from kvcache.block_pool import BlockPool
 from kvcache.manager import KVCacheManager
@@ -53,6 +53,11 @@ class QueueFullError(RuntimeError):
     """Every worker's waiting queue is at `max_queue_len`: the edge answers 429."""
 
 
+class NoWorkerUpError(RuntimeError):
+    """No worker is up (all are restarting or waiting for resources): the edge answers
+    503 with Retry-After."""
+
+
 @dataclass
 class EventStats:
     """What flow control has been told, per worker (for stats and metrics)."""
@@ -70,6 +75,9 @@ class WorkerState:
     flow: FlowControl
     protections: Protections
     degraded: bool = False  # the last plan was made on the degraded path
+    # False from a failure until the restarted worker reports ready: routing skips it.
+    is_up: bool = True
+    num_failures: int = 0
     # `chunk_complete` / `cache_evict` events, double-buffered: those produced while a
     # step runs are handled before the next plan.
     events: DoubleBufferedEventQueue[Event] = field(default_factory=DoubleBufferedEventQueue)
@@ -133,12 +141,13 @@ class ControllerCore:
         self.max_queue_len = max_queue_len
         self.degraded_config = degraded_config or DegradedConfig()
         cost_model = cost_model or per_token_cost_model(1e-4)
+        arrivals = itertools.count()  # one arrival order across workers
         self.workers = [
             WorkerState(
                 scheduler_cls(scheduler_config,
                               KVCacheManager(BlockPool(p.num_blocks, p.block_size,
                                                        p.enable_prefix_caching)),
-                              clock=self.clock),
+                              clock=self.clock, arrivals=arrivals),
                 FlowControl(flow_config),
                 Protections(protection_config or ProtectionConfig(), cost_model))
             for p in pools]
@@ -181,8 +190,10 @@ class ControllerCore:
     def route(self, request: Request) -> int:
         """Prefix affinity first (the worker holding most of the prompt's blocks), then
         least loaded: KV usage plus queued tokens relative to the pool."""
-        candidates = [w for w, state in enumerate(self.workers)
-                      if state.scheduler.num_waiting < self.max_queue_len]
+        up = [w for w, state in enumerate(self.workers) if state.is_up]
+        if not up:
+            raise NoWorkerUpError("no worker is up")
+        candidates = [w for w in up if self.workers[w].scheduler.num_waiting < self.max_queue_len]
         if not candidates:
             raise QueueFullError("all request queues are full")
 
@@ -327,6 +338,63 @@ class ControllerCore:
             num_chunk_complete=events.num_chunk_complete,
             num_cache_evict=events.num_cache_evict,
             last_evict_kv_usage=events.last_evict_kv_usage)
+
+    # -- worker failure -------------------------------------------------------------------
+    def worker_failed(self, worker: int, max_failures_per_request: int = 2
+                      ) -> tuple[list[int], list[RequestOutput]]:
+        """The worker died or hung. It leaves routing; every unfinished request on it is
+        detached and re-queued, on a worker that is up when there is one (else here, to
+        run once it is back), to recompute its prompt and the tokens it already produced:
+        its stream continues with no gap and no duplicate. Its pool forgets every prefix
+        hash (the KV behind them is gone). A request that has now been on
+        `max_failures_per_request` failing workers is aborted instead (it may be what
+        kills them). Returns (workers that received requests, aborted outputs)."""
+        state = self.workers[worker]
+        state.is_up = False
+        state.num_failures += 1
+        state.outbox = []
+        sched = state.scheduler
+        detached = []
+        for request_id in list(sched.requests):
+            num_blocks = len(sched.kv.block_ids(request_id))
+            request = sched.detach_request(request_id)
+            assert request is not None
+            state.protections.forget(request_id)
+            if num_blocks:
+                state.events.append(CacheEvict(request_id, num_blocks, sched.kv.pool.usage))
+            detached.append(request)
+        sched.forget_worker_state()
+        sched.kv.pool.reset_prefix_cache()
+        targets: set[int] = set()
+        aborted: list[RequestOutput] = []
+        for request in detached:
+            request.num_worker_failures += 1
+            if request.num_worker_failures >= max_failures_per_request:
+                self.request_to_worker.pop(request.request_id, None)
+                request.status = RequestStatus.FINISHED_ABORTED
+                aborted.append(RequestOutput(
+                    request.request_id, [], request.status.value, request.num_prompt_tokens,
+                    request.num_output_tokens, request.num_cached_tokens,
+                    error=f"request was on {request.num_worker_failures} failed workers"))
+                continue
+            target = self._reroute(request, exclude=worker)
+            self.workers[target].scheduler.adopt_request(request)
+            self.request_to_worker[request.request_id] = target
+            targets.add(target)
+        return sorted(targets), aborted
+
+    def worker_ready(self, worker: int) -> None:
+        """The (restarted) worker answered: back in routing."""
+        self.workers[worker].is_up = True
+
+    def _reroute(self, request: Request, exclude: int) -> int:
+        need = request.num_tokens + request.sampling_params.max_tokens - request.num_output_tokens
+        fits = [w for w, state in enumerate(self.workers)
+                if w != exclude and state.is_up and need <= state.scheduler.capacity_tokens]
+        if not fits:
+            return exclude  # waits for the worker to come back
+        return min(fits, key=lambda w: (self.workers[w].scheduler.kv.pool.usage,
+                                        self.workers[w].scheduler.num_waiting))
 
     def reset_prefix_cache(self, worker: int) -> int:
         """The worker lost its KV (restart): no prefix hash of its pool may be served again.

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from controller.scheduler import SchedulerConfig
+from controller.worker_loop import RecoveryConfig
 
 
 @dataclass(frozen=True)
@@ -22,7 +23,7 @@ class ControllerOptions:
     seed: int = 0
     num_workers: int = 1
     worker_num_cpus: float = 0.5
-    worker_max_restarts: int = 1
+    worker_max_restarts: int = -1  # Ray restarts a dead worker actor forever
     worker_cls: str = "workers.actor:WorkerActor"
     block_size: int = 16
     num_kv_blocks: int = 2048
@@ -30,6 +31,7 @@ class ControllerOptions:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     # Keyword arguments of ControllerCore: flow control, protections, degraded path.
     core: dict[str, Any] = field(default_factory=dict)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     max_model_len: int = 8192
     max_queue_len: int = 1024
     namespace: str = "tokenflow"

@@ -41,6 +41,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit at first admission
     num_preemptions: int = 0
+    num_worker_failures: int = 0  # workers that died or hung while it was on them
     status: RequestStatus = RequestStatus.WAITING
     arrival_seq: int = 0  # tie-breaker set by the scheduler: strict arrival order
     first_scheduled_time: float | None = None

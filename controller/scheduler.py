@@ -14,7 +14,7 @@ ahead of every later arrival of its priority. Waiting requests never preempt.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from controller.messages import CachedRequestData, CacheEvict, NewRequestData, StepPlan, StepResult
@@ -71,7 +71,8 @@ _SCHEDULABLE = (RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.PREE
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
-                 clock: Callable[[], float] | None = None):
+                 clock: Callable[[], float] | None = None,
+                 arrivals: Iterator[int] | None = None):
         self.config = config
         self.kv = kv
         self.block_size = kv.block_size
@@ -79,7 +80,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: dict[str, Request] = {}  # ordered by sort_key when scheduling
         self.running: list[Request] = []  # admission order
-        self._arrivals = itertools.count()
+        # Arrival order; the core shares one counter between its workers' schedulers so a
+        # request that moves to another worker keeps its place in line there.
+        self._arrivals = arrivals or itertools.count()
         self._step_ids = itertools.count()
         self._worker_known: dict[str, int] = {}  # request id -> blocks already sent
         self._finished_ids: set[str] = set()  # to tell the worker next plan
@@ -110,6 +113,37 @@ class Scheduler:
             return None
         self._finish(request, RequestStatus.FINISHED_ABORTED)
         return self._output(request, [])
+
+    def detach_request(self, request_id: str) -> Request | None:
+        """Take a request away unfinished (its worker died): blocks released, progress
+        reset to recompute, nothing sent to the worker. The caller re-queues it."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        self.waiting.pop(request_id, None)
+        if request in self.running:
+            self.running.remove(request)
+            self.kv.free(request_id)
+        self._worker_known.pop(request_id, None)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        return request
+
+    def adopt_request(self, request: Request) -> None:
+        """Queue a detached request here, keeping its arrival order: it recomputes its
+        prompt and every token it already generated, then continues where it stopped."""
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        self.requests[request.request_id] = request
+        self.waiting[request.request_id] = request
+
+    def forget_worker_state(self) -> None:
+        """The worker restarted and knows no request: nothing was sent to it, nothing
+        needs to be dropped."""
+        self._worker_known.clear()
+        self._finished_ids.clear()
 
     @property
     def num_waiting(self) -> int:

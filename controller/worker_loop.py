@@ -18,6 +18,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from controller.core import ControllerCore
@@ -28,14 +29,51 @@ logger = logging.getLogger(__name__)
 _MAX_RECORDS = 4096
 
 
+@dataclass(frozen=True)
+class RecoveryConfig:
+    """How the controller notices a dead or hung worker and brings it back."""
+
+    # A step past max(min, factor x the cost model's prediction) counts as a hang: the
+    # worker is killed (Ray restarts it) and handled as dead.
+    step_deadline_factor: float = 20.0
+    step_deadline_min_s: float = 30.0
+    # Asking a failed worker whether it is back: each try waits this long at most, and
+    # tries back off exponentially between these bounds.
+    ready_timeout_s: float = 60.0
+    restart_backoff_s: float = 0.2
+    restart_backoff_max_s: float = 5.0
+    # A request on this many failing workers is aborted: it may be what kills them.
+    max_worker_failures_per_request: int = 3
+
+    def __post_init__(self) -> None:
+        if self.step_deadline_factor <= 0 or self.step_deadline_min_s <= 0:
+            raise ValueError("step deadlines must be positive")
+        if self.max_worker_failures_per_request < 1:
+            raise ValueError("max_worker_failures_per_request must be >= 1")
+
+
+class WorkerHungError(RuntimeError):
+    """A step outlived its deadline."""
+
+
 class WorkerSlot:
     def __init__(self, index: int, handle: Any, info: Any, core: ControllerCore,
-                 deliver: Callable[[RequestOutput], None]) -> None:
+                 deliver: Callable[[RequestOutput], None],
+                 kill: Callable[[Any], None] | None = None,
+                 recovery: RecoveryConfig | None = None) -> None:
         self.index = index
         self.handle = handle  # the worker actor
         self.info = info  # its WorkerInfo
         self.core = core
         self.deliver = deliver
+        # Kills the worker's process so that it restarts (Ray: `ray.kill(h, no_restart=False)`).
+        self.kill = kill or (lambda handle: None)
+        self.recovery = recovery or RecoveryConfig()
+        # Called with the workers that received this worker's requests after a failure.
+        self.on_requests_moved: Callable[[list[int]], None] = lambda workers: None
+        self.num_hangs = 0
+        self.up = asyncio.Event()  # cleared from a failure until the worker is back
+        self.up.set()
         self.wake = asyncio.Event()
         self.telemetry_poll_s = 0.1  # empty steps while paused, for telemetry samples
         self.parked = asyncio.Event()
@@ -77,8 +115,8 @@ class WorkerSlot:
             except asyncio.CancelledError:
                 raise
             except Exception as err:  # a dead or failing worker must not kill the loop
-                logger.exception("worker %d step failed", self.index)
-                await self._fail_requests(err)
+                logger.warning("worker %d failed: %s: %s", self.index, type(err).__name__, err)
+                await self._recover()
                 continue
             if not stepped:
                 self.parked.set()
@@ -102,7 +140,13 @@ class WorkerSlot:
         if plan.is_empty and not plan.finished_request_ids and not force:
             return False  # nothing can advance until a notify (flow control holds prefill)
         sent = time.perf_counter()
-        result = await self.handle.execute.remote(plan, self.info.incarnation)
+        deadline = self._deadline_s(plan)
+        try:
+            result = await asyncio.wait_for(
+                self.handle.execute.remote(plan, self.info.incarnation), deadline)
+        except TimeoutError:
+            self.num_hangs += 1
+            raise WorkerHungError(f"step {plan.step_id} took over {deadline:.1f}s") from None
         received = time.perf_counter()
         outputs = self.core.finish_step(self.index, plan, result)
         for out in outputs:
@@ -118,36 +162,55 @@ class WorkerSlot:
                              wall, result.elapsed_s, received - sent))
         return True
 
-    async def _fail_requests(self, err: BaseException) -> None:
-        """Finish every request of this worker with an error, forget every prefix hash of
-        its pool (a restarted worker's KV is zeros: a cached prefix would silently give
-        wrong tokens), learn the worker's new incarnation, then flush the finished ids to
-        the worker (a live one drops their blocks; a restarted one holds none)."""
-        self.num_failures += 1
+    def _deadline_s(self, plan: Any) -> float:
+        cfg = self.recovery
         sched = self.core.scheduler(self.index)
-        for request_id in list(sched.requests):
-            out = self.core.abort(request_id)
-            if out is not None:
-                out.error = f"worker {self.index} failed: {type(err).__name__}: {err}"
-                self.deliver(out)
-        # Before any await: no request may be admitted against the stale hashes.
-        self.core.reset_prefix_cache(self.index)
-        try:
-            self.info = await self.handle.info.remote()
-        except Exception:
-            logger.warning("worker %d did not answer after its failure", self.index)
-        plan = self.core.begin_step(self.index)  # empty: only the finished ids
-        try:
-            await self.handle.execute.remote(plan, self.info.incarnation)
-        except Exception:
-            logger.warning("worker %d did not take the flush plan", self.index)
+        context = max((r.num_tokens for r in sched.running), default=0)
+        predicted = self.core.workers[self.index].protections.cost_model(
+            plan.total_num_scheduled_tokens, context)
+        return max(cfg.step_deadline_min_s, cfg.step_deadline_factor * predicted)
+
+    async def _recover(self) -> None:
+        """The worker died, hung or raised. Its requests move to the workers that are up
+        (the core re-queues them to recompute), it is killed so Ray restarts it with
+        clean state, and it rejoins routing once a fresh incarnation answers."""
+        self.num_failures += 1
+        self.up.clear()
+        dead_incarnation = self.info.incarnation
+        moved_to, aborted = self.core.worker_failed(
+            self.index, self.recovery.max_worker_failures_per_request)
+        for out in aborted:
+            self.deliver(out)
+        self.on_requests_moved(moved_to)
+        self.kill(self.handle)
+        backoff = self.recovery.restart_backoff_s
+        while True:
+            try:
+                info = await asyncio.wait_for(self.handle.info.remote(),
+                                              self.recovery.ready_timeout_s)
+                if info.incarnation != dead_incarnation:
+                    break
+                self.kill(self.handle)  # still the failed process: restart it
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:
+                logger.warning("worker %d not back yet: %s: %s", self.index,
+                               type(err).__name__, err)
+            await asyncio.sleep(backoff)  # a retry interval, not synchronisation
+            backoff = min(2 * backoff, self.recovery.restart_backoff_max_s)
+        self.info = info
+        self.core.worker_ready(self.index)
+        self.up.set()
+        logger.warning("worker %d is back (pid %s)", self.index, info.pid)
+        self.notify()
 
     # -- introspection ------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         steps = max(self.num_steps, 1)
         return {
             "worker": self.index, "device": self.info.device, "pid": self.info.pid,
-            "incarnation": self.info.incarnation,
+            "incarnation": self.info.incarnation, "is_up": self.core.workers[self.index].is_up,
+            "num_hangs": self.num_hangs,
             **dataclasses.asdict(self.core.worker_stats(self.index)),
             "num_routed": self.num_routed, "num_loop_steps": self.num_steps,
             "num_failures": self.num_failures, "parked": self.parked.is_set(),

@@ -20,6 +20,7 @@ from controller.options import ControllerOptions
 from controller.request import RequestOutput
 from controller.scheduler import SchedulerConfig
 from controller.streams import merge_deltas
+from controller.worker_loop import RecoveryConfig
 from tests.unit.fake_runner import FakeRunner
 from workers.actor import WorkerInfo, WorkerRestartedError
 
@@ -45,6 +46,8 @@ class FakeWorkerHandle:
         self.num_steps = 0
         self.incarnation = "fake-0"
         self.num_refused = 0  # plans addressed to an earlier incarnation
+        self.num_restarts = 0
+        self.hung = False  # the next step never returns (until a kill)
         self.seen_computed: list[int] = []  # num_computed_tokens of every new request
         self.execute = _Method(self._execute)
         self.held_block_ids = _Method(self._held)
@@ -54,6 +57,13 @@ class FakeWorkerHandle:
         """What a SIGKILL plus Ray's restart does: a new process with no KV and no state."""
         self.incarnation = f"fake-{int(self.incarnation.split('-')[1]) + 1}"
         self.runner.requests.clear()
+        self.num_restarts += 1
+
+    def kill(self) -> None:
+        """The controller's kill: Ray restarts the actor; a hung call never returns."""
+        self.restart()
+        self.hung = False
+        self.gate.set()
 
     async def _info(self) -> WorkerInfo:
         return make_info(self.incarnation)
@@ -68,6 +78,8 @@ class FakeWorkerHandle:
             raise RuntimeError("boom")
         result = self.runner.execute(plan)  # the runner keeps its own per-request state
         self.entered.set()
+        if self.hung:
+            await asyncio.Event().wait()  # cancelled by the controller's deadline
         await asyncio.sleep(0)  # a real actor call always suspends the loop
         await self.gate.wait()
         self.num_steps += 1
@@ -90,9 +102,13 @@ def make_actor(num_workers: int = 2) -> tuple[ControllerActor, list[FakeWorkerHa
         assert opts.num_workers == num_workers
         return handles
 
-    options = ControllerOptions(num_workers=num_workers, scheduler=SchedulerConfig(
-        max_num_batched_tokens=64, max_num_seqs=8))
-    return ControllerActor(options, worker_factory=start_workers), handles
+    options = ControllerOptions(
+        num_workers=num_workers,
+        scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8),
+        recovery=RecoveryConfig(step_deadline_min_s=0.2, restart_backoff_s=0.001))
+    actor = ControllerActor(options, worker_factory=start_workers,
+                            kill_worker=FakeWorkerHandle.kill)
+    return actor, handles
 
 
 async def collect(actor: ControllerActor, prompt: list[int], request_id: str,
@@ -168,17 +184,69 @@ def test_abort_and_dropped_consumer_free_blocks() -> None:
     run(main())
 
 
-def test_failing_worker_fails_only_its_requests() -> None:
+def test_failing_worker_moves_its_requests_to_the_other_one() -> None:
     async def main() -> None:
         actor, handles = make_actor()
         handles[0].fail_next = True
-        bad, good = await asyncio.gather(collect(actor, [1, 2, 3], "x"),
-                                         collect(actor, [4, 5, 6], "y"))
-        assert bad[-1]["finish_reason"] == "abort" and "boom" in bad[-1]["error"]
-        assert good[-1]["finish_reason"] == "length" and good[-1]["error"] is None
+        moved, other = await asyncio.gather(collect(actor, [1, 2, 3], "x"),
+                                            collect(actor, [4, 5, 6], "y"))
+        for deltas in (moved, other):  # no error, every token, no duplicate
+            assert deltas[-1]["finish_reason"] == "length" and deltas[-1]["error"] is None
+            assert sum(len(d["token_ids"]) for d in deltas) == PARAMS.max_tokens
+        assert handles[0].num_restarts == 1  # killed, so it restarts with clean state
+        stats = await actor.stats()
+        assert [w["num_failures"] for w in stats["workers"]] == [1, 0]
+        assert all(w["is_up"] for w in stats["workers"])
         again = await collect(actor, [1, 2, 3], "z")  # the loop survived the failure
         assert again[-1]["finish_reason"] == "length"
         assert all(w["checked"] for w in (await actor.check_integrity())["workers"])
+        actor.core.check_integrity()
+
+    run(main())
+
+
+def test_hung_worker_is_killed_and_its_requests_finish_on_the_other() -> None:
+    async def main() -> None:
+        actor, handles = make_actor()
+        await collect(actor, [9, 9, 9], "warm")  # both loops started
+        target = actor.core._next_tie  # an idle cluster rotates: the next request's worker
+        handles[target].hung = True
+        hung = await collect(actor, [1, 2, 3], "hung")
+        assert hung[0]["worker"] == target and hung[-1]["error"] is None
+        assert sum(len(d["token_ids"]) for d in hung) == PARAMS.max_tokens
+        assert "hung" in handles[1 - target].runner.request_to_num_chunks  # moved there
+        assert handles[target].num_restarts == 1
+        stats = await actor.stats()
+        assert stats["workers"][target]["num_hangs"] == 1
+        assert all(w["is_up"] for w in stats["workers"])
+
+    run(main())
+
+
+def test_requests_wait_for_the_only_worker_and_health_says_so() -> None:
+    async def main() -> None:
+        actor, handles = make_actor(num_workers=1)
+        await collect(actor, [9, 9, 9], "warm")
+        assert (await actor.ping())["ok"]
+        handles[0].fail_next = True
+        deltas = await collect(actor, [1, 2, 3], "a")  # re-queued here, runs once back
+        assert deltas[-1]["finish_reason"] == "length" and deltas[-1]["error"] is None
+        assert sum(len(d["token_ids"]) for d in deltas) == PARAMS.max_tokens
+        assert (await actor.ping())["num_workers_up"] == 1
+
+    run(main())
+
+
+def test_no_worker_up_refuses_new_requests() -> None:
+    from controller.core import NoWorkerUpError
+
+    async def main() -> None:
+        actor, _ = make_actor(num_workers=1)
+        await collect(actor, [9, 9, 9], "warm")
+        actor.core.workers[0].is_up = False  # as between a failure and the restart
+        with pytest.raises(NoWorkerUpError):
+            await anext(actor.generate([1, 2], PARAMS))
+        assert not (await actor.ping())["ok"]
 
     run(main())
 
@@ -244,14 +312,16 @@ def test_restarted_worker_never_serves_a_prefix_cached_before_it_died() -> None:
         await collect(actor, prompt, "hit")
         assert handles[0].seen_computed == [0, 12]  # the prefix cache serves 3 blocks
         handles[0].restart()
-        # The first step after the restart is refused (it was planned for the old process).
-        failed = await collect(actor, prompt, "during")
-        assert failed[-1]["error"] and handles[0].num_refused == 1
+        # The first step after the restart is refused (it was planned for the old process);
+        # the request is re-queued and recomputed once the new process answers.
+        during = await collect(actor, prompt, "during")
+        assert during[-1]["finish_reason"] == "length" and during[-1]["error"] is None
+        assert handles[0].num_refused == 1
+        assert handles[0].seen_computed[-1] == 0  # computed anew, not read from dead KV
         after = await collect(actor, prompt, "after")
         assert after[-1]["finish_reason"] == "length"
-        assert handles[0].seen_computed[-1] == 0  # computed anew, not read from dead KV
         assert actor.core.scheduler(0).kv.pool.stats().num_used == 0
         actor.core.check_integrity()
-        assert (await actor.stats())["workers"][0]["incarnation"] == "fake-1"
+        assert (await actor.stats())["workers"][0]["incarnation"] == "fake-2"
 
     run(main())
