@@ -22,8 +22,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cluster.config import TokenflowConfig
 from cluster.budget_file import load_budget_table, validate_budget
+from cluster.config import TokenflowConfig
 from controller.budget import BudgetTable
 
 # `--quick` (CPU smoke runs, `make`-free checks): one warm-up run and three kept runs instead

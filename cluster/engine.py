@@ -15,6 +15,7 @@ from cluster.config import TokenflowConfig
 from controller.core import ControllerCore, Event, PoolSpec
 from controller.events import DoubleBufferedEventQueue
 from controller.messages import SamplingParams, StepPlan, StepResult
+from controller.policies import make_scheduler_class
 from controller.request import RequestOutput
 
 

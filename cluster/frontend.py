@@ -91,8 +91,9 @@ class Frontend:
             raise p.ProtocolError(422, f"the prompt has {len(prompt_ids)} tokens, over the "
                                   f"prefill cap of {cap} tokens", param=request.prompt_param,
                                   code="prompt_too_long")
-        room = p.check_limits(request, prompt_ids, self.config.worker.max_model_len, self.vocab_size)
-        params = p.to_sampling_params(request, min(room, self.config.worker.default_max_tokens))
+        worker = self.config.worker
+        room = p.check_limits(request, prompt_ids, worker.max_model_len, self.vocab_size)
+        params = p.to_sampling_params(request, min(room, worker.default_max_tokens))
         return Prepared(url, request, prompt_ids, params, request.priority or 0)
 
     @property

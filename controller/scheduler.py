@@ -48,8 +48,8 @@ class SchedulerConfig:
             "be measured against: prefill-first (vLLM V0: whole prompts in prefill-only "
             "steps) and prefill-priority-chunked (nano-vllm: only a step's first prefill "
             "is cut; prefill and decode never share a step).")))
-    tenant_weights: dict[str, float] = setting(default_factory=dict, description=(
-        "Weights of tenants (X-Tenant-Id) in each step's prefill budget; absent = 1.0."))
+    tenant_weights: dict[str, float] = field(default_factory=dict, metadata={"description": (
+        "Weights of tenants (X-Tenant-Id) in each step's prefill budget; absent = 1.0.")})
     defrag_threshold: float | None = setting(0.30, gt=0, lt=1, description=(
         "KV defragmentation: compact used blocks when more than this share lies outside "
         "the compact region (30 %); None disables it."))
