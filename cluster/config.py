@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -91,32 +92,38 @@ class CalibrationConfig(BaseModel):
         "(symmetric: max(new/old, old/new) - 1) from the table."))
 
 
-def _section_fields(annotation: Any) -> set[str] | None:
-    """Field names of a nested section, None for a plain value."""
+def _section_fields(annotation: Any) -> dict[str, Any] | None:
+    """Field name -> type of a nested section, None for a plain value."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return set(annotation.model_fields)
+        return {name: f.annotation for name, f in annotation.model_fields.items()}
     if dataclasses.is_dataclass(annotation):
-        return {f.name for f in dataclasses.fields(annotation)}
+        return typing.get_type_hints(annotation)
     return None
+
+
+def _is_known(key: str) -> bool:
+    """Whether `key` (`section__field...`, lower case, no prefix) sets a field."""
+    section, _, rest = key.partition(ENV_NESTED_DELIMITER)
+    field = TokenflowConfig.model_fields.get(section)
+    if field is None:
+        return False
+    if not rest:
+        return True  # a value, or a whole section as JSON
+    fields = _section_fields(field.annotation)
+    name, _, deeper = rest.partition(ENV_NESTED_DELIMITER)
+    if fields is None or name not in fields:
+        return False
+    # Only a map takes keys below its field (TOKENFLOW_SCHEDULER__TENANT_WEIGHTS__A=2).
+    return not deeper or typing.get_origin(fields[name]) is dict
 
 
 def check_env(environ: dict[str, str] | None = None) -> None:
     """Raise ValueError naming every `TOKENFLOW_*` variable that sets no field
     (pydantic-settings would ignore it silently)."""
     environ = dict(os.environ) if environ is None else environ
-    unknown = []
-    for name in environ:
-        key = name.upper()
-        if not key.startswith(ENV_PREFIX) or key in OTHER_ENV_VARS:
-            continue
-        section, _, rest = key[len(ENV_PREFIX):].lower().partition(ENV_NESTED_DELIMITER)
-        field = TokenflowConfig.model_fields.get(section)
-        if field is None:
-            unknown.append(name)
-            continue
-        names = _section_fields(field.annotation)
-        if rest and (names is None or rest.partition(ENV_NESTED_DELIMITER)[0] not in names):
-            unknown.append(name)  # no such field in the section (a whole section is JSON)
+    unknown = [name for name in environ if name.upper().startswith(ENV_PREFIX)
+               and name.upper() not in OTHER_ENV_VARS
+               and not _is_known(name[len(ENV_PREFIX):].lower())]
     if unknown:
         raise ValueError(f"unknown configuration variable(s) {', '.join(sorted(unknown))}: "
                          f"set sections' fields as {ENV_PREFIX}<SECTION>"

@@ -17,7 +17,7 @@ import pytest
 from controller.actor import ControllerActor
 from controller.core import ControllerCore, PoolSpec
 from controller.messages import SamplingParams, StepPlan, StepResult
-from controller.options import ControllerOptions
+from controller.options import ControllerOptions, WorkerConfig
 from controller.request import RequestOutput
 from controller.scheduler import SchedulerConfig
 from controller.streams import merge_deltas
@@ -86,7 +86,7 @@ def make_info(incarnation: str) -> WorkerInfo:
 
 
 def make_actor(num_workers: int = 2) -> tuple[ControllerActor, list[FakeWorkerHandle]]:
-    actor = ControllerActor(ControllerOptions(num_workers=num_workers))
+    actor = ControllerActor(ControllerOptions(worker=WorkerConfig(num_workers=num_workers)))
     core = ControllerCore([PoolSpec(32, 4)] * num_workers,
                           SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8),
                           vocab_size=VOCAB)
