@@ -65,30 +65,31 @@ def run(quick: bool, out_dir: Path, model: str | None = None, warmup: int = WARM
         iters: int | None = None, max_tokens: int | None = None) -> dict[str, Any]:
     """The `benchmarks.run` entry: returns the report and writes calibration.png."""
     model = model or (QUICK_MODEL if quick else MODEL)
-    cfg = TokenflowConfig(model=model)
-    tile = cfg.kernel_tile_tokens
-    grid = tile_grid(math.lcm(cfg.block_size, tile),
+    cfg = TokenflowConfig(worker={"model": model})
+    cal, block_size = cfg.calibration, cfg.cache.block_size
+    tile = cal.tile_tokens
+    grid = tile_grid(math.lcm(block_size, tile),
                      max_tokens or (QUICK_MAX_TOKENS if quick else MAX_TOKENS))
     held_sizes = held_out_sizes(grid, tile)
     # Held-out sizes run in the same interleaved sweep as the grid (same background load),
     # then are split off: the fit never sees them.
     spec = CalibrationSpec(
-        model=model, dtype=cfg.dtype, device=cfg.device, block_size=cfg.block_size,
+        model=model, dtype=cfg.worker.dtype, device=cfg.worker.device, block_size=block_size,
         tile_tokens=tile, warmup=warmup, iters=iters or (QUICK_ITERS if quick else ITERS),
         threads=THREADS, prefill_tokens=tuple(sorted((*grid, *held_sizes))),
         contexts=CONTEXTS, decode_batches=DECODE_BATCHES, decode_contexts=DECODE_CONTEXTS,
-        matmul_size=cfg.calib_matmul_size, bandwidth_bytes=cfg.calib_bandwidth_bytes,
-        memory_fraction=cfg.calib_memory_fraction)
+        matmul_size=cal.matmul_size, bandwidth_bytes=cal.bandwidth_bytes,
+        memory_fraction=cal.memory_fraction)
     start = time.perf_counter()
-    measured: dict[str, Any] = Calibrator(spec, progress=False).run(weight_bits=cfg.weight_bits)
+    measured: dict[str, Any] = Calibrator(spec, progress=False).run(weight_bits=cal.weight_bits)
     held = [p for p in measured["prefill"] if p["tokens"] in held_sizes]
     measured["prefill"] = [p for p in measured["prefill"] if p["tokens"] in grid]
     measured["spec"]["prefill_tokens"] = list(grid)
     table = BudgetTable.build(measured, itl_slo_ms=SLOS_MS[1],
-                              bandwidth_headroom=cfg.bandwidth_headroom,
-                              chunk_efficiency=cfg.budget_chunk_efficiency,
-                              plan_context_tokens=cfg.budget_plan_context_tokens,
-                              plan_decodes=cfg.budget_plan_decodes)
+                              bandwidth_headroom=cal.bandwidth_headroom,
+                              chunk_efficiency=cal.chunk_efficiency,
+                              plan_context_tokens=cal.plan_context_tokens,
+                              plan_decodes=cal.plan_decodes)
     for point in held:
         point["predicted_s"] = table.predict(point["tokens"], point["context"])
         point["rel_error"] = abs(point["predicted_s"] - point["mean_s"]) / point["mean_s"]

@@ -58,7 +58,7 @@ def step_overhead(handle: Any, client: Any, vocab: int, num_running: int,
 
     # Admission takes about N / max_concurrent_chunks steps; every request must still be
     # decoding for warm-up + measured steps after the last one is admitted.
-    admit_steps = num_running // TokenflowConfig().max_concurrent_chunks + 1
+    admit_steps = num_running // TokenflowConfig().scheduler.max_concurrent_chunks + 1
     params = SamplingParams(max_tokens=admit_steps + WARMUP_STEPS + decode_steps + 1,
                             temperature=0.0, ignore_eos=True)
     asyncio.run(run_streams(client, prompts(num_running, 16, vocab, num_running), params))
@@ -108,12 +108,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     model = args.model or ("builtin:tiny" if args.quick else "builtin:bench")
     threads = torch.get_num_threads()
-    config = TokenflowConfig(model=model, num_workers=1, worker_num_cpus=threads,
-                             num_kv_blocks=1024, block_size=16, max_num_seqs=128,
-                             max_num_batched_tokens=2048, namespace="tokenflow-bench",
-                             max_prefill_tokens=4096)
+    config = TokenflowConfig(
+        worker={"model": model, "num_workers": 1},
+        cache={"num_kv_blocks": 1024, "block_size": 16},
+        scheduler={"max_num_seqs": 128, "max_num_batched_tokens": 2048},
+        protections={"max_prefill_tokens": 4096},
+        cluster={"namespace": "tokenflow-bench", "worker_num_cpus": threads})
     ray.init(address="local", num_cpus=threads + 1, _node_ip_address="127.0.0.1",
-             include_dashboard=False, namespace=config.namespace, log_to_driver=False)
+             include_dashboard=False, namespace=config.cluster.namespace, log_to_driver=False)
     try:
         handle = get_or_create_controller(config.controller_options())
         client = MultiplexedControllerClient(handle)  # the ingress's path

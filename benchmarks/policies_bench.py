@@ -107,11 +107,14 @@ QUICK = PoliciesConfig(
     capacity_iterations=2, hf_batch_size=4, offline_requests=6, num_kv_blocks=256)
 
 
-def _config(cfg: PoliciesConfig, policy: str, **fields: Any) -> TokenflowConfig:
+def _config(cfg: PoliciesConfig, policy: str, scheduler: dict[str, Any] | None = None,
+            calibration: dict[str, Any] | None = None) -> TokenflowConfig:
     # No prefix caching: trials replay the same prompts, and a hit would skip their prefill.
-    return TokenflowConfig(model=cfg.model, scheduling_policy=policy,  # type: ignore[arg-type]
-                           num_kv_blocks=cfg.num_kv_blocks, enable_prefix_caching=False,
-                           **fields)
+    return TokenflowConfig(
+        worker={"model": cfg.model},
+        cache={"num_kv_blocks": cfg.num_kv_blocks, "enable_prefix_caching": False},
+        scheduler={"scheduling_policy": policy, **(scheduler or {})},
+        calibration=calibration or {})
 
 
 def decode_step_s(engine: LocalEngine, clock: VirtualClock, cfg: PoliciesConfig) -> float:
@@ -127,19 +130,20 @@ def decode_step_s(engine: LocalEngine, clock: VirtualClock, cfg: PoliciesConfig)
 
 
 def calibrate(cfg: PoliciesConfig, itl_slo_ms: float) -> tuple[BudgetTable, Calibrator]:
-    base = TokenflowConfig(model=cfg.model)
+    base = TokenflowConfig(worker={"model": cfg.model})
+    cal, block_size = base.calibration, base.cache.block_size
     spec = CalibrationSpec(
-        model=cfg.model, dtype=base.dtype, device=base.device, block_size=base.block_size,
-        tile_tokens=base.kernel_tile_tokens, warmup=1, iters=cfg.calib_iters, threads=THREADS,
-        prefill_tokens=tile_grid(math.lcm(base.block_size, base.kernel_tile_tokens),
-                                 cfg.calib_max_tokens),
+        model=cfg.model, dtype=base.worker.dtype, device=base.worker.device,
+        block_size=block_size, tile_tokens=cal.tile_tokens, warmup=1, iters=cfg.calib_iters,
+        threads=THREADS,
+        prefill_tokens=tile_grid(math.lcm(block_size, cal.tile_tokens), cfg.calib_max_tokens),
         contexts=cfg.calib_contexts, decode_batches=cfg.calib_decode_batches,
-        decode_contexts=cfg.calib_decode_contexts, matmul_size=base.calib_matmul_size,
-        bandwidth_bytes=base.calib_bandwidth_bytes, memory_fraction=base.calib_memory_fraction)
+        decode_contexts=cfg.calib_decode_contexts, matmul_size=cal.matmul_size,
+        bandwidth_bytes=cal.bandwidth_bytes, memory_fraction=cal.memory_fraction)
     calibrator = Calibrator(spec, progress=False)
     table = BudgetTable.build(calibrator.run(), itl_slo_ms=itl_slo_ms,
-                              bandwidth_headroom=base.bandwidth_headroom,
-                              chunk_efficiency=base.budget_chunk_efficiency,
+                              bandwidth_headroom=cal.bandwidth_headroom,
+                              chunk_efficiency=cal.chunk_efficiency,
                               plan_context_tokens=None, plan_decodes=None)
     return table, calibrator
 
@@ -171,12 +175,12 @@ def _run(cfg: PoliciesConfig, out_dir: Path, itl_slo_ms: float | None) -> dict[s
     table.save(budget_file)
     clocks = {p: VirtualClock() for p in POLICIES}
     tokenflow = {"budget_file": budget_file, "itl_slo_ms": slo_ms,
-                 "budget_plan_decodes": PLAN_DECODES}
+                 "plan_decodes": PLAN_DECODES}
     engines = {p: LocalEngine(_config(
-        cfg, p, **(tokenflow if p == "tokenflow"
-                   else {"max_num_batched_tokens": BASELINE_BUDGETS[p]})), clock=clocks[p])
+        cfg, p, calibration=tokenflow) if p == "tokenflow" else _config(
+        cfg, p, scheduler={"max_num_batched_tokens": BASELINE_BUDGETS[p]}), clock=clocks[p])
         for p in POLICIES}
-    block = engines["tokenflow"].config.block_size
+    block = engines["tokenflow"].config.cache.block_size
     kv_tokens = cfg.num_kv_blocks * block
     budget = table.recommend_detail(slo_ms, block_size=block, kv_capacity_tokens=kv_tokens,
                                     decodes=PLAN_DECODES)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TextIO
 
 from cluster import protocol as p
-from cluster.config import TokenflowConfig
+from cluster.config import TokenflowConfig, nest
 from cluster.frontend import Frontend, Prepared, TextStream
 
 
@@ -145,10 +145,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def config_from_args(args: argparse.Namespace) -> TokenflowConfig:
-    overrides = {k: getattr(args, k) for k in (
-        "model", "max_num_batched_tokens", "max_num_seqs", "block_size", "num_kv_blocks",
-        "enable_prefix_caching") if getattr(args, k) is not None}
-    return TokenflowConfig(**overrides)
+    return TokenflowConfig(**nest({
+        "worker.model": args.model,
+        "scheduler.max_num_batched_tokens": args.max_num_batched_tokens,
+        "scheduler.max_num_seqs": args.max_num_seqs, "cache.block_size": args.block_size,
+        "cache.num_kv_blocks": args.num_kv_blocks,
+        "cache.enable_prefix_caching": args.enable_prefix_caching}))
 
 
 def main(argv: list[str] | None = None) -> int:

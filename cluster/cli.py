@@ -10,7 +10,7 @@ model and writes the budget table plus a PNG of the fit beside it (budget.png).
 than the tolerance. Per quantity, not per point: the median ratio over the prefill points,
 over the decode points, the matmul peak, the bandwidth and the KV capacity; a single noisy
 point on a shared machine must not fail the check, a slower machine must.
-Defaults come from `TokenflowConfig` (so `TOKENFLOW_CALIB_*` env variables apply).
+Defaults come from `TokenflowConfig` (so `TOKENFLOW_CALIBRATION__*` env variables apply).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from cluster.budget_file import load_budget_table, validate_budget
 from cluster.config import TokenflowConfig
 from controller.budget import BudgetTable
 
@@ -44,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="budget table to write (the PNG goes beside it)")
     cal.add_argument("--check", type=Path, help="re-measure this table; exit 1 on drift")
     cal.add_argument("--tolerance", type=float,
-                     help="drift allowed by --check (default: calib_check_tolerance)")
+                     help="drift allowed by --check (default: calibration.check_tolerance)")
     cal.add_argument("--itl-slo-ms", type=float, help="SLO of the stored recommendation")
     cal.add_argument("--quick", action="store_true", help=f"small CPU run: {QUICK}")
     cal.add_argument("--warmup", type=int, help="runs discarded per point")
@@ -53,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--contexts", type=_ints, help="context depths, e.g. 0,1024,4096")
     cal.add_argument("--decode-batches", type=_ints, help="decode batch sizes, e.g. 1,8,32")
     cal.add_argument("--threads", type=int, help=(
-        "torch CPU threads (default: a Ray worker actor's, floor(worker_num_cpus) >= 1)"))
+        "torch CPU threads (default: a Ray worker actor's, floor(cluster.worker_num_cpus) >= 1)"))
     cal.add_argument("--matmul-size", type=int, help="GEMM edge of the peak-FLOPs probe")
     cal.add_argument("--bandwidth-bytes", type=int, help="buffer of the bandwidth probe")
     cal.add_argument("--no-plot", action="store_true", help="skip the PNG")
@@ -68,38 +69,41 @@ def _pick(value: Any, quick_key: str, quick: bool, default: Any) -> Any:
 
 
 def make_spec(args: argparse.Namespace, cfg: TokenflowConfig) -> Any:
+    cal = cfg.calibration
     from workers.calibrate import CalibrationSpec, tile_grid  # torch only when measuring
 
-    unit = math.lcm(cfg.block_size, cfg.kernel_tile_tokens)  # the chunk grid
-    max_tokens = _pick(args.max_tokens, "max_tokens", args.quick, cfg.calib_max_tokens)
+    unit = math.lcm(cfg.cache.block_size, cal.tile_tokens)  # the chunk grid
+    max_tokens = _pick(args.max_tokens, "max_tokens", args.quick, cal.max_tokens)
     return CalibrationSpec(
-        model=args.model or cfg.model, dtype=cfg.dtype, device=cfg.device,
-        block_size=cfg.block_size, tile_tokens=cfg.kernel_tile_tokens,
-        warmup=_pick(args.warmup, "warmup", args.quick, cfg.calib_warmup),
-        iters=_pick(args.iters, "iters", args.quick, cfg.calib_iters),
+        model=args.model or cfg.worker.model, dtype=cfg.worker.dtype,
+        device=cfg.worker.device,
+        block_size=cfg.cache.block_size, tile_tokens=cal.tile_tokens,
+        warmup=_pick(args.warmup, "warmup", args.quick, cal.warmup),
+        iters=_pick(args.iters, "iters", args.quick, cal.iters),
         # Default: the threads a Ray worker actor runs with, where the table is used (Ray sets
         # OMP_NUM_THREADS to floor(num_cpus), at least 1; two threads on two busy cores make
         # every step wait for the slower one and the table noisy).
-        threads=args.threads or max(math.floor(cfg.worker_num_cpus), 1),
+        threads=args.threads or max(math.floor(cfg.cluster.worker_num_cpus), 1),
         prefill_tokens=tile_grid(unit, max_tokens),
-        contexts=_pick(args.contexts, "contexts", args.quick, cfg.calib_contexts),
+        contexts=_pick(args.contexts, "contexts", args.quick, cal.contexts),
         decode_batches=_pick(args.decode_batches, "decode_batches", args.quick,
-                             cfg.calib_decode_batches),
-        decode_contexts=cfg.calib_decode_contexts,
-        matmul_size=args.matmul_size or cfg.calib_matmul_size,
-        bandwidth_bytes=args.bandwidth_bytes or cfg.calib_bandwidth_bytes,
-        memory_fraction=cfg.calib_memory_fraction)
+                             cal.decode_batches),
+        decode_contexts=cal.decode_contexts,
+        matmul_size=args.matmul_size or cal.matmul_size,
+        bandwidth_bytes=args.bandwidth_bytes or cal.bandwidth_bytes,
+        memory_fraction=cal.memory_fraction)
 
 
 def measure(spec: Any, cfg: TokenflowConfig, itl_slo_ms: float, progress: bool) -> BudgetTable:
+    cal = cfg.calibration
     from workers.calibrate import Calibrator
 
-    measured = Calibrator(spec, progress=progress).run(weight_bits=cfg.weight_bits)
+    measured = Calibrator(spec, progress=progress).run(weight_bits=cal.weight_bits)
     return BudgetTable.build(measured, itl_slo_ms=itl_slo_ms,
-                             bandwidth_headroom=cfg.bandwidth_headroom,
-                             chunk_efficiency=cfg.budget_chunk_efficiency,
-                             plan_context_tokens=cfg.budget_plan_context_tokens,
-                             plan_decodes=cfg.budget_plan_decodes)
+                             bandwidth_headroom=cal.bandwidth_headroom,
+                             chunk_efficiency=cal.chunk_efficiency,
+                             plan_context_tokens=cal.plan_context_tokens,
+                             plan_decodes=cal.plan_decodes)
 
 
 def _symmetric(new: float, old: float) -> float:
@@ -125,7 +129,7 @@ def drift_report(old: BudgetTable, new: BudgetTable) -> dict[str, float]:
 def run_check(args: argparse.Namespace, cfg: TokenflowConfig) -> int:
     from workers.calibrate import CalibrationSpec
 
-    old = BudgetTable.load(args.check)
+    old = load_budget_table(args.check)
     spec_fields = dict(old.data["spec"])
     for name in ("warmup", "iters", "threads"):
         if getattr(args, name) is not None:
@@ -133,7 +137,7 @@ def run_check(args: argparse.Namespace, cfg: TokenflowConfig) -> int:
     spec = CalibrationSpec(**{k: tuple(v) if isinstance(v, list) else v
                               for k, v in spec_fields.items()})
     new = measure(spec, cfg, old.data["recommendation"]["itl_slo_ms"], not args.no_progress)
-    tolerance = args.tolerance if args.tolerance is not None else cfg.calib_check_tolerance
+    tolerance = args.tolerance if args.tolerance is not None else cfg.calibration.check_tolerance
     report = drift_report(old, new)
     for name, drift in report.items():
         verdict = "DRIFT" if drift > tolerance else "ok"
@@ -145,9 +149,10 @@ def run_check(args: argparse.Namespace, cfg: TokenflowConfig) -> int:
 
 
 def run_calibrate(args: argparse.Namespace, cfg: TokenflowConfig) -> int:
-    slo = args.itl_slo_ms if args.itl_slo_ms is not None else cfg.itl_slo_ms
+    slo = args.itl_slo_ms if args.itl_slo_ms is not None else cfg.calibration.itl_slo_ms
     table = measure(make_spec(args, cfg), cfg, slo, not args.no_progress)
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    validate_budget(table.data)  # what a later load accepts
     table.save(args.out)
     rec, fit = table.data["recommendation"], table.data["fit"]["prefill"]
     print(f"wrote {args.out}: fit a={fit['a']:.3g}s b={fit['b']:.3g}s/token "

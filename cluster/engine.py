@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from cluster.config import TokenflowConfig
 from controller.core import ControllerCore, PoolSpec
 from controller.messages import SamplingParams, StepPlan, StepResult
+from controller.policies import make_scheduler_class
 from controller.request import RequestOutput
 
 
@@ -35,20 +36,24 @@ class LocalEngine:
 
         self.config = config or TokenflowConfig(**overrides)  # type: ignore[arg-type]
         cfg = self.config
-        self.worker = Worker(cfg.model, num_kv_blocks=cfg.num_kv_blocks,
-                             block_size=cfg.block_size, dtype=cfg.dtype, seed=cfg.seed,
-                             device=cfg.device)
-        if cfg.telemetry:
+        wcfg, cache = cfg.worker, cfg.cache
+        self.worker = Worker(wcfg.model, num_kv_blocks=cache.num_kv_blocks,
+                             block_size=cache.block_size, dtype=wcfg.dtype, seed=wcfg.seed,
+                             device=wcfg.device)
+        if wcfg.telemetry:
             from workers.telemetry import make_source
 
             self.worker.telemetry = make_source(str(self.worker.device),
-                                                cfg.peak_bandwidth_bytes_s)
+                                                wcfg.peak_bandwidth_bytes_s)
+        scheduler = cfg.scheduler_config()
         self.core = ControllerCore(
-            [PoolSpec(cfg.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching)],
-            cfg.scheduler_config(), eos_token_ids=tuple(self.worker.eos_token_ids),
-            max_model_len=cfg.max_model_len, max_queue_len=cfg.max_queue_len,
-            vocab_size=self.worker.vocab_size,
-            clock=clock or time.monotonic, **cfg.core_options())
+            [PoolSpec(cache.num_kv_blocks, cache.block_size, cache.enable_prefix_caching)],
+            scheduler, eos_token_ids=tuple(self.worker.eos_token_ids),
+            max_model_len=wcfg.max_model_len, max_queue_len=cfg.protections.max_queue_len,
+            vocab_size=self.worker.vocab_size, clock=clock or time.monotonic,
+            flow_config=cfg.flow, protection_config=cfg.protections,
+            cost_model=cfg.cost_model(), degraded_config=cfg.degraded,
+            scheduler_cls=make_scheduler_class(scheduler.scheduling_policy))
         self._pending: dict[str, deque[RequestOutput]] = defaultdict(deque)
         self.step_log: list[tuple[StepPlan, StepResult]] = []  # kept only when asked
         self.keep_step_log = False

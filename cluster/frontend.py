@@ -85,19 +85,20 @@ class Frontend:
             prompt_ids = list(request.prompt_token_ids)
         else:
             prompt_ids = self.tokenizer.encode(request.prompt_text or "")
-        cap = self.config.prefill_cap_tokens
+        cap = self.config.protections.prefill_cap_tokens
         if len(prompt_ids) > cap:
             # The budget circuit breaker: refused before any actor call.
             raise p.ProtocolError(422, f"the prompt has {len(prompt_ids)} tokens, over the "
                                   f"prefill cap of {cap} tokens", param=request.prompt_param,
                                   code="prompt_too_long")
-        room = p.check_limits(request, prompt_ids, self.config.max_model_len, self.vocab_size)
-        params = p.to_sampling_params(request, min(room, self.config.default_max_tokens))
+        worker = self.config.worker
+        room = p.check_limits(request, prompt_ids, worker.max_model_len, self.vocab_size)
+        params = p.to_sampling_params(request, min(room, worker.default_max_tokens))
         return Prepared(url, request, prompt_ids, params, request.priority or 0)
 
     @property
     def served_names(self) -> list[str]:
-        return list(dict.fromkeys([self.config.model_name, self.config.model]))
+        return list(dict.fromkeys([self.config.worker.model_name, self.config.worker.model]))
 
     def text_stream(self, prepared: Prepared) -> TextStream:
         return TextStream(self.tokenizer, prepared.params.stop)
@@ -107,7 +108,7 @@ class Frontend:
         """The non-streaming OpenAI body of a finished request."""
         reason = "stop" if stream.stopped or finish_reason == "abort" else finish_reason
         return_ids = bool(prepared.request.return_token_ids)
-        args = dict(request_id=request_id, model=self.config.model_name,
+        args = dict(request_id=request_id, model=self.config.worker.model_name,
                     created=int(time.time()), text=stream.text, finish_reason=reason,
                     prompt_len=len(prepared.prompt_token_ids),
                     completion_len=len(stream.token_ids),

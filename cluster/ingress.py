@@ -16,6 +16,7 @@ tests can drive it with a fake.
 # No `from __future__ import annotations` here: Serve rebuilds the route methods outside
 # this module, and FastAPI could then not resolve a string annotation `Request`.
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -55,9 +56,10 @@ class OpenAIServer:
                     if not path.is_dir():  # another node's preset folder: build ours
                         from workers.presets import resolve_model
 
-                        path = resolve_model(self.config.model)
-                    config = self.config.model_copy(
-                        update={"max_model_len": info["max_model_len"]})
+                        path = resolve_model(self.config.worker.model)
+                    worker = dataclasses.replace(self.config.worker,
+                                                 max_model_len=info["max_model_len"])
+                    config = self.config.model_copy(update={"worker": worker})
                     self._frontend = Frontend(Tokenizer(path), config, info["vocab_size"])
         return self._frontend
 
@@ -78,7 +80,7 @@ class OpenAIServer:
             await anext(deltas)  # the admission acknowledgement
         except QueueFullError as err:
             return error_response(p.ProtocolError(429, str(err), code="queue_full"),
-                                  {"Retry-After": str(self.config.retry_after_s)})
+                                  {"Retry-After": str(self.config.cluster.retry_after_s)})
         except ValueError as err:
             return error_response(p.ProtocolError(400, str(err)))
         except StopAsyncIteration:
@@ -114,7 +116,7 @@ class OpenAIServer:
     def unavailable(self, err: Exception) -> JSONResponse:
         message = f"the controller is unavailable: {type(err).__name__}: {err}"
         return error_response(p.ProtocolError(503, message[:500], code="unavailable"),
-                              {"Retry-After": str(self.config.retry_after_s)})
+                              {"Retry-After": str(self.config.cluster.retry_after_s)})
 
 
 async def collect(frontend: Frontend, prepared: Prepared, request_id: str,
@@ -150,7 +152,7 @@ async def sse_events(frontend: Frontend, prepared: Prepared, request_id: str,
     deltas (and the delta's token ids with `return_token_ids`); the last one carries the
     finish reason; with `stream_options.include_usage` a usage chunk comes before [DONE]."""
     req = prepared.request
-    model, created, chat = frontend.config.model_name, int(time.time()), prepared.is_chat
+    model, created, chat = frontend.config.worker.model_name, int(time.time()), prepared.is_chat
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return_ids = bool(req.return_token_ids)
     prompt_ids: list[int] | None = prepared.prompt_token_ids if return_ids else None
@@ -237,11 +239,12 @@ class TokenflowIngress:
 
 
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:
-    """Application builder for `serve run cluster.ingress:build_app key=value ...` and the
-    `args:` of deploy/serve.yaml; the keys are `TokenflowConfig` fields."""
+    """Application builder for the `args:` of deploy/serve.yaml (or `serve run
+    cluster.ingress:build_app`): `TokenflowConfig`'s sections, each a mapping of its fields.
+    An unknown section or field fails here, before anything starts, naming it."""
     config = TokenflowConfig(**(args or {}))
     return TokenflowIngress.options(
-        num_replicas=config.ingress_num_replicas,
-        max_ongoing_requests=config.ingress_max_ongoing_requests,
-        ray_actor_options={"num_cpus": config.ingress_num_cpus},
+        num_replicas=config.cluster.ingress_num_replicas,
+        max_ongoing_requests=config.cluster.ingress_max_ongoing_requests,
+        ray_actor_options={"num_cpus": config.cluster.ingress_num_cpus},
     ).bind(config.model_dump())

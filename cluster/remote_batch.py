@@ -35,12 +35,12 @@ def connect_controller(config: TokenflowConfig) -> Any:
     from controller.actor import CONTROLLER_NAME, get_or_create_controller
 
     if not ray.is_initialized():
-        ray.init(address="auto", namespace=config.namespace)
+        ray.init(address="auto", namespace=config.cluster.namespace)
     try:
-        return ray.get_actor(CONTROLLER_NAME, namespace=config.namespace)
+        return ray.get_actor(CONTROLLER_NAME, namespace=config.cluster.namespace)
     except ValueError:
         logger.warning("no %s in namespace %s: starting one for this job", CONTROLLER_NAME,
-                       config.namespace)
+                       config.cluster.namespace)
         return get_or_create_controller(config.controller_options())
 
 
@@ -59,7 +59,7 @@ async def _run(server: Any, lines: Iterable[str], out: TextIO, done_ids: set[str
 
     frontend: Frontend = await server.frontend()
     counts = {"completed": 0, "failed": 0, "skipped": 0}
-    slots = asyncio.Semaphore(server.config.batch_max_in_flight)
+    slots = asyncio.Semaphore(server.config.cluster.batch_max_in_flight)
     bar = tqdm(desc="batch", unit="req", disable=not progress, file=sys.stderr)
     tasks: list[asyncio.Task[None]] = []
 
@@ -101,7 +101,7 @@ async def _generate(server: Any, frontend: Frontend, prepared: Prepared) -> dict
             await anext(deltas)  # admission
             break
         except QueueFullError:
-            await asyncio.sleep(max(server.config.retry_after_s, 0.1))  # as a 429 says
+            await asyncio.sleep(max(server.config.cluster.retry_after_s, 0.1))  # as a 429 says
         except ValueError as err:
             raise p.ProtocolError(400, str(err)) from None
     text, reason, error = await collect(frontend, prepared, request_id, deltas, client.abort)

@@ -1,7 +1,7 @@
 """`python -m cluster.serve --model M --port P` (what `make serve` runs).
 
 Starts a local Ray on 127.0.0.1, the controller (which starts one worker per GPU, or
-`TOKENFLOW_NUM_WORKERS` CPU workers), and the Serve ingress on 127.0.0.1:PORT; prints the
+`TOKENFLOW_WORKER__NUM_WORKERS` CPU workers), and the Serve ingress on 127.0.0.1:PORT; prints the
 URL and serves until Ctrl-C. The controller is created here, before the Serve app, so this
 process owns it (it lives exactly as long as the server) and a broken model fails at once
 instead of on the first request.
@@ -17,7 +17,7 @@ import sys
 import threading
 from types import FrameType
 
-from cluster.config import TokenflowConfig
+from cluster.config import TokenflowConfig, nest
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -32,16 +32,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def config_from_args(args: argparse.Namespace) -> TokenflowConfig:
-    overrides = {k: getattr(args, k) for k in ("model", "port", "host", "num_workers",
-                                               "served_model_name")
-                 if getattr(args, k) is not None}
-    return TokenflowConfig(**overrides)
+    return TokenflowConfig(**nest({
+        "worker.model": args.model, "worker.num_workers": args.num_workers,
+        "worker.served_model_name": args.served_model_name,
+        "cluster.port": args.port, "cluster.host": args.host}))
 
 
 def ray_num_cpus(config: TokenflowConfig) -> int:
     """Enough logical CPUs for every actor's fractional reservation, at least the cores."""
-    need = (config.num_workers * config.worker_num_cpus + config.controller_num_cpus
-            + config.ingress_num_replicas * config.ingress_num_cpus)
+    cluster = config.cluster
+    need = (config.worker.num_workers * cluster.worker_num_cpus + cluster.controller_num_cpus
+            + cluster.ingress_num_replicas * cluster.ingress_num_cpus)
     return max(os.cpu_count() or 1, math.ceil(need))
 
 
@@ -64,14 +65,14 @@ def main(argv: list[str] | None = None) -> int:
     # address="local": never join (or be confused by) another cluster; the default Redis
     # port 6379 may be taken on this machine, ray.init picks free ports itself.
     ray.init(address="local", num_cpus=ray_num_cpus(config), _node_ip_address="127.0.0.1",
-             include_dashboard=False, namespace=config.namespace)
+             include_dashboard=False, namespace=config.cluster.namespace)
     try:
         controller = get_or_create_controller(config.controller_options())
         info = ray.get(controller.model_info.remote())
-        serve.start(http_options={"host": config.host, "port": config.port})
+        serve.start(http_options={"host": config.cluster.host, "port": config.cluster.port})
         serve.run(build_app(config.model_dump()), name="tokenflow", route_prefix="/")
-        url = f"http://{config.host}:{config.port}"
-        print(f"tokenflow serving {config.model_name} with {info['num_workers']} worker(s) "
+        url = f"http://{config.cluster.host}:{config.cluster.port}"
+        print(f"tokenflow serving {config.worker.model_name} with {info['num_workers']} worker(s) "
               f"on {', '.join(info['devices'])}", flush=True)
         print(f"OpenAI API at {url}/v1  (health: {url}/health)  Ctrl-C stops", flush=True)
         threading.Event().wait()

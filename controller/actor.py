@@ -30,6 +30,7 @@ import ray
 from controller.core import ControllerCore, PoolSpec
 from controller.messages import SamplingParams
 from controller.options import ControllerOptions
+from controller.policies import make_scheduler_class
 from controller.request import Request, RequestOutput
 from controller.streams import RequestStream, Subscriber, ack
 from controller.worker_loop import WorkerSlot
@@ -42,13 +43,14 @@ def start_worker_actors(opts: ControllerOptions) -> list[Any]:
     """The default `WorkerFactory`: one worker actor per GPU, else `num_workers` on CPU."""
     module, _, name = opts.worker_cls.partition(":")
     worker_cls = ray.remote(getattr(importlib.import_module(module), name))
-    use_gpu = opts.device != "cpu" and ray.cluster_resources().get("GPU", 0) >= 1
-    num_workers = int(ray.cluster_resources()["GPU"]) if use_gpu else opts.num_workers
-    resources = {"num_gpus": 1 if use_gpu else 0, "num_cpus": opts.worker_num_cpus}
-    return [worker_cls.options(max_restarts=opts.worker_max_restarts, max_concurrency=1,
-                               **resources).remote(
-        opts.model, opts.num_kv_blocks, opts.block_size, opts.dtype, opts.seed,
-        "cuda" if use_gpu else "cpu", opts.telemetry, opts.peak_bandwidth_bytes_s)
+    wcfg, cache = opts.worker, opts.cache
+    use_gpu = wcfg.device != "cpu" and ray.cluster_resources().get("GPU", 0) >= 1
+    num_workers = int(ray.cluster_resources()["GPU"]) if use_gpu else wcfg.num_workers
+    resources = {"num_gpus": 1 if use_gpu else 0, "num_cpus": opts.cluster.worker_num_cpus}
+    return [worker_cls.options(max_restarts=opts.cluster.worker_max_restarts,
+                               max_concurrency=1, **resources).remote(
+        wcfg.model, cache.num_kv_blocks, cache.block_size, wcfg.dtype, wcfg.seed,
+        "cuda" if use_gpu else "cpu", wcfg.telemetry, wcfg.peak_bandwidth_bytes_s)
         for _ in range(num_workers)]
 
 
@@ -75,7 +77,7 @@ class ControllerActor:
         self.core: ControllerCore | None = None
         self.slots: list[WorkerSlot] = []
         self.vocab_size = 0
-        self.max_model_len = options.max_model_len
+        self.max_model_len = options.worker.max_model_len
         self._streams: dict[str, RequestStream] = {}
         self._subscribers: dict[str, Subscriber] = {}
         self._subscriber_of: dict[str, Subscriber] = {}  # request id -> its subscriber
@@ -101,15 +103,19 @@ class ControllerActor:
         handles = self.worker_factory(opts)
         if inspect.isawaitable(handles):
             handles = await handles
+        wcfg, cache = opts.worker, opts.cache
         infos = await asyncio.gather(*(h.info.remote() for h in handles))
         self.vocab_size = infos[0].vocab_size
-        self.max_model_len = min([opts.max_model_len, *(i.max_model_len for i in infos)])
+        self.max_model_len = min([wcfg.max_model_len, *(i.max_model_len for i in infos)])
         self.core = ControllerCore(
-            [PoolSpec(i.num_kv_blocks, i.block_size, opts.enable_prefix_caching) for i in infos],
+            [PoolSpec(i.num_kv_blocks, i.block_size, cache.enable_prefix_caching)
+             for i in infos],
             opts.scheduler, eos_token_ids=tuple(infos[0].eos_token_ids),
-            max_model_len=self.max_model_len, max_queue_len=opts.max_queue_len,
-            vocab_size=self.vocab_size,
-            clock=asyncio.get_running_loop().time, **opts.core)
+            max_model_len=self.max_model_len, max_queue_len=opts.protections.max_queue_len,
+            vocab_size=self.vocab_size, clock=asyncio.get_running_loop().time,
+            flow_config=opts.flow, protection_config=opts.protections,
+            cost_model=opts.cost_model, degraded_config=opts.degraded,
+            scheduler_cls=make_scheduler_class(opts.scheduler.scheduling_policy))
         self.slots = [WorkerSlot(w, h, info, self.core, self._deliver, kill=self.kill_worker,
                                  recovery=opts.recovery)
                       for w, (h, info) in enumerate(zip(handles, infos, strict=True))]
@@ -265,10 +271,11 @@ class ControllerActor:
 def get_or_create_controller(options: ControllerOptions) -> ray.actor.ActorHandle:
     """The named singleton: created on first call, the existing actor afterwards."""
     actor_options: dict[str, Any] = dict(
-        name=CONTROLLER_NAME, namespace=options.namespace, get_if_exists=True,
-        max_restarts=options.max_restarts, num_cpus=options.num_cpus,
-        max_concurrency=options.max_concurrency)
-    if options.detached:
+        name=CONTROLLER_NAME, namespace=options.cluster.namespace, get_if_exists=True,
+        max_restarts=options.cluster.controller_max_restarts,
+        num_cpus=options.cluster.controller_num_cpus,
+        max_concurrency=options.cluster.controller_max_concurrency)
+    if options.cluster.detached_controller:
         actor_options["lifetime"] = "detached"
     return RemoteController.options(**actor_options).remote(options)
 

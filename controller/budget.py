@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from controller.budget_schema import validate
+SCHEMA_VERSION = 1  # of the budget file; cluster/budget_file.py validates files on load
 
 
 @dataclass(frozen=True)
@@ -95,10 +95,8 @@ def _fit_summary(model_rows: list[list[float]], times: list[float]) -> dict[str,
 class BudgetTable:
     """A calibrated budget table (the JSON file), with the controller's helpers."""
 
-    def __init__(self, data: dict[str, Any], check: bool = True) -> None:
-        if check:
-            validate(data)
-        self.data = data
+    def __init__(self, data: dict[str, Any]) -> None:
+        self.data = data  # trusted: files are validated where they are loaded
         spec, fit, stats = data["spec"], data["fit"], data["model_stats"]
         self.block_size, self.tile = spec["block_size"], spec["tile_tokens"]
         self.prefill_model = CostModel(*(fit["prefill"][k] for k in "abc"))
@@ -135,7 +133,7 @@ class BudgetTable:
                 "limits": {"bandwidth_headroom": bandwidth_headroom,
                            "chunk_efficiency": chunk_efficiency, "plan_context_tokens": plan,
                            "plan_decodes": decodes}}
-        table = cls(data, check=False)
+        table = cls(data)
         data["table"] = table.binding_table()
         data["recommendation"] = table.recommend_detail(itl_slo_ms)
         return cls(data)
@@ -147,14 +145,10 @@ class BudgetTable:
                 for t, c, _ in observations]
         data = {**self.data, "fit": {**self.data["fit"],
                                      "prefill": _fit_summary(rows, [s for *_, s in observations])}}
-        table = BudgetTable(data, check=False)
+        table = BudgetTable(data)
         data["table"] = table.binding_table()
         data["recommendation"] = table.recommend_detail(self.data["recommendation"]["itl_slo_ms"])
         return BudgetTable(data)
-
-    @classmethod
-    def load(cls, path: str | Path) -> BudgetTable:
-        return cls(json.loads(Path(path).read_text(encoding="utf-8")))
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.data, indent=2) + "\n", encoding="utf-8")

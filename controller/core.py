@@ -24,6 +24,7 @@ from controller.protections import (
 )
 from controller.request import Request, RequestOutput, RequestStatus
 from controller.scheduler import Scheduler, SchedulerConfig, StepLimits
+from controller.settings import FORBID_EXTRA, check_settings, setting
 from kvcache.block_pool import BlockPool
 from kvcache.manager import KVCacheManager
 
@@ -42,11 +43,20 @@ Event = ChunkComplete | CacheEvict
 
 @dataclass(frozen=True)
 class DegradedConfig:
-    """The degraded path: keep serving with the smallest chunk, one prefill at a time."""
+    """The degraded path: keep serving with the smallest chunk, one prefill at a time
+    (`degraded:` in the configuration)."""
 
-    chunk_tokens: int | None = None  # None: one KV block
-    num_chunks: int = 1
-    after_paused_s: float = 30.0  # PREFILL_PAUSED this long with work waiting: degrade
+    __pydantic_config__ = FORBID_EXTRA
+
+    chunk_tokens: int | None = setting(None, ge=1, description=(
+        "Chunk size on the degraded path; None means one KV block."))
+    num_chunks: int = setting(1, ge=1, description="Prefill chunks per step when degraded.")
+    after_paused_s: float = setting(30.0, ge=0, description=(
+        "PREFILL_PAUSED this long with work waiting switches to the degraded path, which "
+        "keeps serving."))
+
+    def __post_init__(self) -> None:
+        check_settings(self)
 
 
 class QueueFullError(RuntimeError):
@@ -140,7 +150,8 @@ class ControllerCore:
         self.max_model_len = max_model_len
         self.max_queue_len = max_queue_len
         self.degraded_config = degraded_config or DegradedConfig()
-        cost_model = cost_model or per_token_cost_model(1e-4)
+        protection_config = protection_config or ProtectionConfig()
+        cost_model = cost_model or per_token_cost_model(protection_config.seconds_per_token)
         arrivals = itertools.count()  # one arrival order across workers
         self.workers = [
             WorkerState(
@@ -148,8 +159,8 @@ class ControllerCore:
                               KVCacheManager(BlockPool(p.num_blocks, p.block_size,
                                                        p.enable_prefix_caching)),
                               clock=self.clock, arrivals=arrivals),
-                FlowControl(flow_config),
-                Protections(protection_config or ProtectionConfig(), cost_model))
+                FlowControl(flow_config, scheduler_config.max_concurrent_chunks),
+                Protections(protection_config, cost_model))
             for p in pools]
         self.request_to_worker: dict[str, int] = {}
         self._ids = itertools.count()

@@ -21,6 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from controller.messages import CacheEvict, ChunkComplete
+from controller.settings import FORBID_EXTRA, check_settings, setting
 
 logger = logging.getLogger("tokenflow.flow")
 
@@ -34,19 +35,45 @@ class Mode(enum.IntEnum):  # ordered by restrictiveness
 
 @dataclass(frozen=True)
 class FlowConfig:
-    cache_enter: float = 0.85
-    cache_exit: float = 0.79
-    bw_window_s: float = 5.0
-    throttle_enter: float = 0.90
-    throttle_hard: float = 0.95
-    throttle_exit: float = 0.85
-    throttle_hold_s: float = 3.0
-    pause_enter: float = 0.98
-    pause_hold_s: float = 10.0
-    pause_exit: float = 0.90
-    normal_chunks: int = 4
-    throttle_chunks: int = 2
-    throttle_hard_chunks: int = 1
+    """Flow-control thresholds (`flow:` in the configuration)."""
+
+    __pydantic_config__ = FORBID_EXTRA
+
+    cache_enter: float = setting(0.85, gt=0, le=1, description=(
+        "KV usage above which new prefill chunks stop (CACHE_PRESSURE_WAIT)."))
+    cache_exit: float = setting(0.79, gt=0, le=1, description=(
+        "A cache_evict that brings KV usage below this resumes chunk scheduling."))
+    bw_window_s: float = setting(5.0, gt=0, description=(
+        "Window of the bandwidth utilisation moving average."))
+    throttle_enter: float = setting(0.90, gt=0, le=1, description=(
+        "Average bandwidth above which, held for throttle_hold_s, chunks drop to "
+        "throttle_chunks (BANDWIDTH_THROTTLE)."))
+    throttle_hard: float = setting(0.95, gt=0, le=1, description=(
+        "Average bandwidth above which, held for throttle_hold_s, chunks drop to "
+        "throttle_hard_chunks."))
+    throttle_exit: float = setting(0.85, gt=0, le=1, description=(
+        "The throttle ends when the average stays below this for throttle_hold_s."))
+    throttle_hold_s: float = setting(3.0, ge=0, description="Hold time of throttle entry/exit.")
+    pause_enter: float = setting(0.98, gt=0, le=1, description=(
+        "Average bandwidth above which, held for pause_hold_s, new prefill stops "
+        "(PREFILL_PAUSED, the emergency)."))
+    pause_hold_s: float = setting(10.0, ge=0, description="Hold time before PREFILL_PAUSED.")
+    pause_exit: float = setting(0.90, gt=0, le=1, description=(
+        "PREFILL_PAUSED ends when the average falls below this."))
+    throttle_chunks: int = setting(2, ge=1, description=(
+        "Prefill chunks per step when throttled."))
+    throttle_hard_chunks: int = setting(1, ge=1, description=(
+        "Prefill chunks per step above throttle_hard."))
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+        if not self.cache_exit < self.cache_enter:
+            raise ValueError("flow.cache_exit must be below flow.cache_enter")
+        if not self.throttle_exit < self.throttle_enter <= self.throttle_hard:
+            raise ValueError("need flow.throttle_exit < flow.throttle_enter <= "
+                             "flow.throttle_hard")
+        if not self.pause_exit < self.pause_enter:
+            raise ValueError("flow.pause_exit must be below flow.pause_enter")
 
 
 @dataclass
@@ -80,8 +107,9 @@ class FlowStats:
 
 
 class FlowControl:
-    def __init__(self, config: FlowConfig | None = None):
+    def __init__(self, config: FlowConfig | None = None, normal_chunks: int = 4):
         self.config = config or FlowConfig()
+        self.normal_chunks = normal_chunks  # the scheduler's max_concurrent_chunks
         self.cache_pressure = False
         self.throttle_level = 0  # 0 none, 2 -> 2 chunks, 1 -> 1 chunk (seed's naming)
         self.paused = False
@@ -138,7 +166,7 @@ class FlowControl:
         cfg = self.config
         if not self.allow_new_prefill:
             return 0
-        return {0: cfg.normal_chunks, 2: cfg.throttle_chunks,
+        return {0: self.normal_chunks, 2: cfg.throttle_chunks,
                 1: cfg.throttle_hard_chunks}[self.throttle_level]
 
     def _update_bandwidth(self, now: float) -> None:

@@ -1,43 +1,132 @@
-"""`ControllerOptions`: the controller actor's slice of the configuration.
+"""The controller actor's configuration: the worker, KV cache and cluster sections, and
+`ControllerOptions`, which nests every section the actor and its core take.
 
-Ray-free and torch-free so `cluster.config` can build it without importing Ray; the
-controller does not import the composition root (`cluster/`), which owns the full config.
+Ray-, torch- and pydantic-free so `cluster.config` can validate and build them without
+importing Ray; the controller does not import the composition root (`cluster/`), which
+owns the full configuration (`TokenflowConfig`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
+from controller.core import DegradedConfig
+from controller.flow import FlowConfig
+from controller.protections import CostModel, ProtectionConfig
 from controller.scheduler import SchedulerConfig
+from controller.settings import FORBID_EXTRA, check_settings, setting
 from controller.worker_loop import RecoveryConfig
 
 
 @dataclass(frozen=True)
-class ControllerOptions:
-    """Built by `TokenflowConfig.controller_options()`; see its fields' descriptions."""
+class WorkerConfig:
+    """The model and the worker actors that run it (`worker:` in the configuration)."""
 
-    model: str = "builtin:tiny"
-    dtype: str = "float32"
-    device: str = "auto"
-    seed: int = 0
-    num_workers: int = 1
-    worker_num_cpus: float = 0.5
-    worker_max_restarts: int = -1  # Ray restarts a dead worker actor forever
-    worker_cls: str = "workers.actor:WorkerActor"
-    block_size: int = 16
-    num_kv_blocks: int = 2048
-    enable_prefix_caching: bool = True
+    __pydantic_config__ = FORBID_EXTRA
+
+    model: str = setting("builtin:tiny", description=(
+        "Hugging Face checkpoint folder (config.json, *.safetensors, tokenizer.json) of the "
+        "Llama family, or a built-in preset: builtin:tiny (default) or builtin:bench."))
+    served_model_name: str | None = setting(None, description=(
+        "Name clients pass as `model`; defaults to the `model` value."))
+    dtype: str = setting("float32", description=(
+        "Weights and activations dtype: float32, bfloat16 or float16 (CPU runs want "
+        "float32)."))
+    device: str = setting("auto", description=(
+        "auto (CUDA when present, else CPU), cpu or cuda."))
+    seed: int = setting(0, description="Seed of the workers' sampler for unseeded requests.")
+    num_workers: int = setting(1, ge=1, description=(
+        "CPU worker actors to start when no GPU is present (one per GPU otherwise)."))
+    max_model_len: int = setting(8192, ge=1, description="Prompt + output tokens at most.")
+    default_max_tokens: int = setting(256, ge=1, description=(
+        "max_tokens when a request does not set it."))
+    telemetry: bool = setting(True, description=(
+        "Sample memory-bandwidth utilisation every step (NVML on NVIDIA GPUs, an estimate "
+        "on CPU) for the bandwidth modes; off, those modes never trigger."))
+    peak_bandwidth_gbs: float | None = setting(None, gt=0, description=(
+        "Peak memory bandwidth (GB/s) for the CPU bandwidth estimate; None measures it "
+        "at worker start."))
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+    @property
+    def peak_bandwidth_bytes_s(self) -> float | None:
+        return None if self.peak_bandwidth_gbs is None else self.peak_bandwidth_gbs * 1e9
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Each worker's paged KV cache (`cache:` in the configuration)."""
+
+    __pydantic_config__ = FORBID_EXTRA
+
+    block_size: int = setting(16, ge=1, description="Tokens per KV block.")
+    num_kv_blocks: int = setting(2048, ge=2, description=(
+        "KV blocks per worker (the pool needs at least two)."))
+    enable_prefix_caching: bool = setting(True, description=(
+        "Share full KV blocks between requests with the same prefix (chained hashes)."))
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Ray and Serve: actors' resources and lifetimes, the HTTP edge (`cluster:`)."""
+
+    __pydantic_config__ = FORBID_EXTRA
+
+    host: str = setting("127.0.0.1", description="HTTP bind address of the Serve ingress.")
+    port: int = setting(8000, ge=1, le=65535, description="HTTP port of the Serve ingress.")
+    namespace: str = setting("tokenflow", description="Ray namespace of the named actors.")
+    redis_url: str | None = setting(None, description=(
+        "Redis for request persistence; None keeps it in memory (the embedded default)."))
+    worker_num_cpus: float = setting(0.5, gt=0, description=(
+        "Ray CPUs reserved per CPU worker actor (fractional on small machines)."))
+    worker_max_restarts: int = setting(-1, ge=-1, description=(
+        "Times Ray restarts a dead worker actor (-1: without limit). Its in-flight requests "
+        "move to the other workers either way, and it rejoins routing once it is back."))
+    controller_num_cpus: float = setting(0.25, ge=0, description=(
+        "Ray CPUs reserved for the controller actor (it mostly waits on workers)."))
+    controller_max_restarts: int = setting(3, ge=-1, description=(
+        "Times Ray restarts a dead controller actor (-1: without limit)."))
+    controller_max_concurrency: int = setting(10_000, ge=16, description=(
+        "Concurrent calls the async controller accepts: one per open request stream."))
+    detached_controller: bool = setting(False, description=(
+        "Give the controller a detached lifetime, so it outlives the process that created "
+        "it (`serve deploy` on a long-lived cluster); tests and `make serve` keep it owned."))
+    ingress_num_cpus: float = setting(0.25, ge=0, description=(
+        "Ray CPUs reserved per Serve ingress replica (tokenization, SSE)."))
+    ingress_num_replicas: int = setting(1, ge=1, description="Serve ingress replicas.")
+    ingress_max_ongoing_requests: int = setting(4096, ge=1, description=(
+        "Requests one ingress replica holds at once (Serve's default of 5 would queue "
+        "every further stream at the proxy, defeating continuous batching)."))
+    retry_after_s: int = setting(1, ge=0, description=(
+        "Retry-After header (seconds) of a 429 answer when the request queues are full."))
+    batch_max_in_flight: int = setting(256, ge=1, description=(
+        "Requests a batch job on the cluster keeps outstanding at once (`ray job submit`)."))
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+
+
+@dataclass(frozen=True)
+class ControllerOptions:
+    """Built by `TokenflowConfig.controller_options()`: the sections as validated there,
+    the scheduler with a budget file's numbers applied, and the resolved cost model."""
+
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    # Keyword arguments of ControllerCore: flow control, protections, degraded path.
-    core: dict[str, Any] = field(default_factory=dict)
+    flow: FlowConfig = field(default_factory=FlowConfig)
+    protections: ProtectionConfig = field(default_factory=ProtectionConfig)
+    degraded: DegradedConfig = field(default_factory=DegradedConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
-    max_model_len: int = 8192
-    max_queue_len: int = 1024
-    namespace: str = "tokenflow"
-    num_cpus: float = 0.25
-    max_restarts: int = 3
-    max_concurrency: int = 10_000
-    detached: bool = False
-    telemetry: bool = True  # workers sample bandwidth utilisation every step
-    peak_bandwidth_bytes_s: float | None = None  # None: each CPU worker measures it
+    cost_model: CostModel | None = None  # None: protections.seconds_per_token per token
+    worker_cls: str = "workers.actor:WorkerActor"  # "module:Class" of the worker actor

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from controller.messages import ChunkComplete
+from controller.settings import FORBID_EXTRA, check_settings, setting
 
 logger = logging.getLogger("tokenflow.protections")
 slow_logger = logging.getLogger("tokenflow.slow_requests")
@@ -30,14 +31,44 @@ CostModel = Callable[[int, int], float]
 
 @dataclass(frozen=True)
 class ProtectionConfig:
-    chunk_timeout_base_s: float = 30.0
-    chunk_timeout_growth: float = 0.1
-    deviation_threshold: float = 0.15
-    slow_score_threshold: float = 1.5
-    degrade_after_timeouts: int = 3
-    degrade_window_s: float = 60.0
-    max_slow_log: int = 256
-    deviation_log_every: int = 100
+    """The protection layers (`protections:` in the configuration): the edge's circuit
+    breaker and queue bound, and the per-chunk watches of `Protections`."""
+
+    __pydantic_config__ = FORBID_EXTRA
+
+    max_prefill_tokens: int = setting(8192, ge=1, description=(
+        "Longest prompt the budget is planned for."))
+    circuit_breaker_factor: float = setting(1.2, gt=1.0, description=(
+        "Budget circuit breaker: a prompt over max_prefill_tokens x this factor gets 422 "
+        "before any actor call (1.2x)."))
+    max_queue_len: int = setting(1024, ge=1, description=(
+        "Waiting requests in the controller before new ones get 429."))
+    chunk_timeout_base_s: float = setting(30.0, gt=0, description=(
+        "Per-chunk timeout base: chunk n may take base x (1 + n x chunk_timeout_growth)."))
+    chunk_timeout_growth: float = setting(0.1, ge=0, description=(
+        "Per-chunk timeout growth per chunk index (later chunks attend to more context)."))
+    deviation_threshold: float = setting(0.15, gt=0, description=(
+        "A chunk whose time is this far off the cost model is logged as a deviation."))
+    slow_score_threshold: float = setting(1.5, gt=0, description=(
+        "budget_score (actual / budgeted prefill time) above which a request is written "
+        "to the slow-request log."))
+    seconds_per_token: float = setting(1e-4, gt=0, description=(
+        "Uncalibrated cost model: prefill seconds per token (a budget file replaces it)."))
+    degrade_after_timeouts: int = setting(3, ge=1, description=(
+        "Chunk timeouts within degrade_window_s that switch a worker to the degraded path."))
+    degrade_window_s: float = setting(60.0, gt=0, description="Window of the timeout count.")
+    max_slow_log: int = setting(256, ge=1, description=(
+        "Entries kept in the slow-request log (the oldest go first)."))
+    deviation_log_every: int = setting(100, ge=1, description=(
+        "Budget deviations are logged once per this many (all are counted)."))
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+
+    @property
+    def prefill_cap_tokens(self) -> int:
+        """Prompts longer than this are refused with 422 (the circuit breaker)."""
+        return int(self.max_prefill_tokens * self.circuit_breaker_factor)
 
 
 @dataclass

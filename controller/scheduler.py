@@ -16,9 +16,11 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Literal
 
 from controller.messages import CachedRequestData, CacheEvict, NewRequestData, StepPlan, StepResult
 from controller.request import Request, RequestOutput, RequestStatus
+from controller.settings import FORBID_EXTRA, check_settings, setting
 from controller.tenants import TenantStats, seq_cap, split_budget
 from kvcache.defrag import fragmentation, plan_compaction
 from kvcache.manager import KVCacheManager
@@ -26,18 +28,44 @@ from kvcache.manager import KVCacheManager
 
 @dataclass
 class SchedulerConfig:
-    max_num_batched_tokens: int = 2048  # token budget of one step
-    max_num_seqs: int = 256  # running requests at most
-    max_chunk_tokens: int | None = None  # cap on one prefill chunk; None = the budget
-    max_concurrent_chunks: int = 4  # prefill chunks per step (flow control lowers it)
-    tenant_weights: dict[str, float] = field(default_factory=dict)  # absent tenant: 1.0
-    defrag_threshold: float | None = 0.30  # compact KV past this fragmentation; None: never
-    defrag_max_moves: int = 64  # blocks moved per step at most (bounds the copy's cost)
-    defrag_every_steps: int = 16  # fragmentation is O(blocks): look only now and then
+    """The scheduler's settings (`scheduler:` in the configuration). Mutable: the
+    comparison policies widen the budget for one step."""
+
+    __pydantic_config__ = FORBID_EXTRA
+
+    max_num_batched_tokens: int = setting(2048, ge=1, description=(
+        "Token budget of one step (decode tokens + prefill chunk tokens). 2048 is vLLM's "
+        "online default on ordinary GPUs; a budget file (calibration.budget_file) "
+        "replaces it."))
+    max_num_seqs: int = setting(256, ge=1, description="Running requests per worker at most.")
+    max_chunk_tokens: int | None = setting(None, ge=1, description=(
+        "Cap on one prefill chunk; None means the whole budget."))
+    max_concurrent_chunks: int = setting(4, ge=1, description=(
+        "Prefill chunks per step in NORMAL flow mode (flow control lowers it: "
+        "flow.throttle_chunks, flow.throttle_hard_chunks, 0 under cache pressure)."))
+    scheduling_policy: Literal["tokenflow", "prefill-first", "prefill-priority-chunked"] = (
+        setting("tokenflow", description=(
+            "tokenflow: decode-first unified budget with flow control. The others exist to "
+            "be measured against: prefill-first (vLLM V0: whole prompts in prefill-only "
+            "steps) and prefill-priority-chunked (nano-vllm: only a step's first prefill "
+            "is cut; prefill and decode never share a step).")))
+    tenant_weights: dict[str, float] = field(default_factory=dict, metadata={"description": (
+        "Weights of tenants (X-Tenant-Id) in each step's prefill budget; absent = 1.0.")})
+    defrag_threshold: float | None = setting(0.30, gt=0, lt=1, description=(
+        "KV defragmentation: compact used blocks when more than this share lies outside "
+        "the compact region (30 %); None disables it."))
+    defrag_max_moves: int = setting(64, ge=1, description=(
+        "KV blocks moved per step at most (bounds the copy's cost)."))
+    defrag_every_steps: int = setting(16, ge=1, description=(
+        "Steps between fragmentation checks (fragmentation is O(blocks): look only now "
+        "and then)."))
 
     def __post_init__(self) -> None:
-        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
-            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        check_settings(self)
+        chunk = self.max_chunk_tokens
+        if chunk is not None and chunk > self.max_num_batched_tokens:
+            raise ValueError("scheduler.max_chunk_tokens must not exceed "
+                             "scheduler.max_num_batched_tokens")
 
 
 @dataclass(frozen=True)

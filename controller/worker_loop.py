@@ -23,6 +23,7 @@ from typing import Any
 
 from controller.core import ControllerCore
 from controller.request import RequestOutput
+from controller.settings import FORBID_EXTRA, check_settings, setting
 
 logger = logging.getLogger(__name__)
 # Step records kept for stats and the overhead benchmark; older ones are dropped.
@@ -31,25 +32,27 @@ _MAX_RECORDS = 4096
 
 @dataclass(frozen=True)
 class RecoveryConfig:
-    """How the controller notices a dead or hung worker and brings it back."""
+    """How the controller notices a dead or hung worker and brings it back (`recovery:`)."""
 
-    # A step past max(min, factor x the cost model's prediction) counts as a hang: the
-    # worker is killed (Ray restarts it) and handled as dead.
-    step_deadline_factor: float = 20.0
-    step_deadline_min_s: float = 30.0
-    # Asking a failed worker whether it is back: each try waits this long at most, and
-    # tries back off exponentially between these bounds.
-    ready_timeout_s: float = 60.0
-    restart_backoff_s: float = 0.2
-    restart_backoff_max_s: float = 5.0
-    # A request on this many failing workers is aborted: it may be what kills them.
-    max_worker_failures_per_request: int = 3
+    __pydantic_config__ = FORBID_EXTRA
+
+    step_deadline_factor: float = setting(20.0, gt=0, description=(
+        "A step running longer than this many times the cost model's prediction (and "
+        "step_deadline_min_s) counts as a hang: the worker is killed and handled as dead."))
+    step_deadline_min_s: float = setting(30.0, gt=0, description=(
+        "Floor of the step deadline (first steps compile kernels and capture graphs)."))
+    ready_timeout_s: float = setting(60.0, gt=0, description=(
+        "How long one 'are you back?' call to a failed worker may take."))
+    restart_backoff_s: float = setting(0.2, gt=0, description=(
+        "First wait between tries to reach a failed worker; doubles up to the maximum."))
+    restart_backoff_max_s: float = setting(5.0, gt=0, description=(
+        "Longest wait between tries to reach a failed worker."))
+    max_worker_failures_per_request: int = setting(3, ge=1, description=(
+        "A request that was on this many failing workers is aborted with an error: it may "
+        "be what kills them."))
 
     def __post_init__(self) -> None:
-        if self.step_deadline_factor <= 0 or self.step_deadline_min_s <= 0:
-            raise ValueError("step deadlines must be positive")
-        if self.max_worker_failures_per_request < 1:
-            raise ValueError("max_worker_failures_per_request must be >= 1")
+        check_settings(self)
 
 
 class WorkerHungError(RuntimeError):

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm import tqdm
 
-from controller.budget_schema import SCHEMA_VERSION
+from controller.budget import SCHEMA_VERSION
 from controller.messages import CachedRequestData, NewRequestData, SamplingParams, StepPlan
 from workers.hardware import measure_matmul_peak_flops, measure_memory_bandwidth
 from workers.worker import Worker

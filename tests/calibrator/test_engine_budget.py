@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from cluster.budget_file import load_budget_table
 from cluster.config import TokenflowConfig
 from cluster.engine import LocalEngine
 from controller.budget import BudgetTable
@@ -16,11 +17,12 @@ SLO_MS = 20.0
 
 def _check_engine(engine: LocalEngine, table: BudgetTable) -> None:
     cfg = engine.config
-    budget, chunk = table.recommend(SLO_MS, block_size=cfg.block_size,
-                                    kv_capacity_tokens=cfg.num_kv_blocks * cfg.block_size)
+    block_size = cfg.cache.block_size
+    budget, chunk = table.recommend(SLO_MS, block_size=block_size,
+                                    kv_capacity_tokens=cfg.cache.num_kv_blocks * block_size)
     sched = engine.scheduler.config
     assert (sched.max_num_batched_tokens, sched.max_chunk_tokens) == (budget, chunk)
-    assert budget != TokenflowConfig().max_num_batched_tokens  # really the table's
+    assert budget != TokenflowConfig().scheduler.max_num_batched_tokens  # really the table's
     engine.keep_step_log = True
     prompt = list(range(3, 3 + 3 * budget + 5))  # several chunks
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
@@ -33,8 +35,9 @@ def _check_engine(engine: LocalEngine, table: BudgetTable) -> None:
 
 
 def test_engine_uses_budget_file_field(table_path: Path) -> None:
-    engine = LocalEngine(budget_file=table_path, itl_slo_ms=SLO_MS, num_kv_blocks=64)
-    table = BudgetTable.load(table_path)
+    engine = LocalEngine(calibration={"budget_file": table_path, "itl_slo_ms": SLO_MS},
+                         cache={"num_kv_blocks": 64})
+    table = load_budget_table(table_path)
     _check_engine(engine, table)
     # Deviation warnings and budget_score compare against the table's cost model.
     cost_model = engine.core.workers[0].protections.cost_model
@@ -42,15 +45,15 @@ def test_engine_uses_budget_file_field(table_path: Path) -> None:
 
 
 def test_engine_uses_budget_file_env(table_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TOKENFLOW_BUDGET_FILE", str(table_path))
-    monkeypatch.setenv("TOKENFLOW_ITL_SLO_MS", str(SLO_MS))
-    config = TokenflowConfig(num_kv_blocks=64)
-    assert config.budget_file == table_path
-    _check_engine(LocalEngine(config), BudgetTable.load(table_path))
+    monkeypatch.setenv("TOKENFLOW_CALIBRATION__BUDGET_FILE", str(table_path))
+    monkeypatch.setenv("TOKENFLOW_CALIBRATION__ITL_SLO_MS", str(SLO_MS))
+    config = TokenflowConfig(cache={"num_kv_blocks": 64})
+    assert config.calibration.budget_file == table_path
+    _check_engine(LocalEngine(config), load_budget_table(table_path))
 
 
 def test_bad_budget_file_is_refused(tmp_path: Path) -> None:
     bad = tmp_path / "budget.json"
     bad.write_text('{"schema_version": 1}', encoding="utf-8")
-    with pytest.raises(ValueError):
-        TokenflowConfig(budget_file=bad).scheduler_config()
+    with pytest.raises(ValueError, match=r"budget\.json .*fit: Field required"):
+        TokenflowConfig(calibration={"budget_file": bad}).scheduler_config()

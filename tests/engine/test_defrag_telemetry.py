@@ -18,10 +18,11 @@ def workload() -> tuple[list[list[int]], list[SamplingParams]]:
 
 
 def run(defrag: bool) -> tuple[list[list[int]], LocalEngine]:
-    engine = LocalEngine(model="builtin:tiny", block_size=4, num_kv_blocks=96,
-                         max_num_batched_tokens=48, max_num_seqs=6,
-                         enable_prefix_caching=True, telemetry=False,
-                         defrag_threshold=0.05 if defrag else None)
+    engine = LocalEngine(
+        worker={"model": "builtin:tiny", "telemetry": False},
+        cache={"block_size": 4, "num_kv_blocks": 96, "enable_prefix_caching": True},
+        scheduler={"max_num_batched_tokens": 48, "max_num_seqs": 6,
+                   "defrag_threshold": 0.05 if defrag else None})
     engine.scheduler.config.defrag_every_steps = 1  # compact whenever fragmented
     prompts, params = workload()
     results = engine.generate(prompts, params)
@@ -38,9 +39,10 @@ def test_compaction_moves_blocks_and_keeps_outputs_exact():
 
 def test_scripted_telemetry_drives_the_throttle_through_the_engine():
     clock = {"now": 0.0}
-    engine = LocalEngine(model="builtin:tiny", block_size=8, num_kv_blocks=256,
-                         max_num_batched_tokens=256, max_chunk_tokens=32,
-                         telemetry=False, clock=lambda: clock["now"])
+    engine = LocalEngine(worker={"model": "builtin:tiny", "telemetry": False},
+                         cache={"block_size": 8, "num_kv_blocks": 256},
+                         scheduler={"max_num_batched_tokens": 256, "max_chunk_tokens": 32},
+                         clock=lambda: clock["now"])
     engine.worker.telemetry = ScriptedSource(lambda now: 0.97)
     rng = random.Random(1)
     for _ in range(6):

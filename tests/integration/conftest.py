@@ -17,11 +17,15 @@ import pytest
 from cluster.config import TokenflowConfig
 
 # Small on purpose: 160 blocks x 8 tokens per worker, prompts over 76 tokens get 422.
-CLUSTER_CONFIG: dict[str, Any] = dict(
-    model="builtin:tiny", num_workers=2, worker_num_cpus=0.5, block_size=8,
-    num_kv_blocks=160, max_num_batched_tokens=256, max_num_seqs=64, max_model_len=1024,
-    max_prefill_tokens=64, default_max_tokens=16, namespace="tokenflow-test",
-    controller_num_cpus=0.25, ingress_num_cpus=0.25)
+CLUSTER_CONFIG: dict[str, Any] = {
+    "worker": {"model": "builtin:tiny", "num_workers": 2, "max_model_len": 1024,
+               "default_max_tokens": 16},
+    "cache": {"block_size": 8, "num_kv_blocks": 160},
+    "scheduler": {"max_num_batched_tokens": 256, "max_num_seqs": 64},
+    "protections": {"max_prefill_tokens": 64},
+    "cluster": {"namespace": "tokenflow-test", "worker_num_cpus": 0.5,
+                "controller_num_cpus": 0.25, "ingress_num_cpus": 0.25},
+}
 
 
 @dataclass
@@ -57,13 +61,13 @@ def cluster() -> Iterator[Cluster]:
 
     config = TokenflowConfig(**CLUSTER_CONFIG)
     ray.init(address="local", num_cpus=4, _node_ip_address="127.0.0.1",
-             include_dashboard=False, namespace=config.namespace,
+             include_dashboard=False, namespace=config.cluster.namespace,
              logging_level="WARNING", log_to_driver=False)
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(config.model_dump()), name="tokenflow", route_prefix="/")
-        controller = ray.get_actor(CONTROLLER_NAME, namespace=config.namespace)
+        controller = ray.get_actor(CONTROLLER_NAME, namespace=config.cluster.namespace)
         ray.get(controller.model_info.remote(), timeout=120)  # workers are up
         yield Cluster(f"http://127.0.0.1:{port}", config, controller)
     finally:

@@ -27,10 +27,12 @@ def scene_controller(cluster):
 
     from controller.actor import get_or_create_controller
 
-    config = TokenflowConfig(model="builtin:tiny", num_workers=1, worker_num_cpus=0.5,
-                             block_size=16, num_kv_blocks=512, max_num_batched_tokens=BUDGET,
-                             max_num_seqs=64, namespace="tokenflow-seed004",
-                             controller_num_cpus=0.1, enable_prefix_caching=False)
+    config = TokenflowConfig(
+        worker={"model": "builtin:tiny", "num_workers": 1},
+        cache={"block_size": 16, "num_kv_blocks": 512, "enable_prefix_caching": False},
+        scheduler={"max_num_batched_tokens": BUDGET, "max_num_seqs": 64},
+        cluster={"namespace": "tokenflow-seed004", "worker_num_cpus": 0.5,
+                 "controller_num_cpus": 0.1})
     controller = get_or_create_controller(config.controller_options())
     ray.get(controller.model_info.remote(), timeout=120)
     yield controller

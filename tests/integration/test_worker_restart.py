@@ -31,10 +31,12 @@ def controller(cluster):
 
     from controller.actor import get_or_create_controller
 
-    config = TokenflowConfig(model="builtin:tiny", num_workers=2, worker_num_cpus=0.5,
-                             block_size=8, num_kv_blocks=256, max_num_batched_tokens=64,
-                             namespace="tokenflow-restart", controller_num_cpus=0.1,
-                             worker_max_restarts=-1, enable_prefix_caching=True)
+    config = TokenflowConfig(
+        worker={"model": "builtin:tiny", "num_workers": 2},
+        cache={"block_size": 8, "num_kv_blocks": 256, "enable_prefix_caching": True},
+        scheduler={"max_num_batched_tokens": 64},
+        cluster={"namespace": "tokenflow-restart", "worker_num_cpus": 0.5,
+                 "controller_num_cpus": 0.1, "worker_max_restarts": -1})
     controller = get_or_create_controller(config.controller_options())
     ray.get(controller.model_info.remote(), timeout=120)
     yield controller

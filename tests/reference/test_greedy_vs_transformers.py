@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 
@@ -26,10 +27,13 @@ def references(checkpoints):
     return prompts, {arch: hf_greedy(checkpoints[arch], prompts, NEW_TOKENS) for arch in ARCHS}
 
 
-def engine_for(path, **overrides) -> LocalEngine:
-    settings = dict(model=str(path), block_size=16, num_kv_blocks=512,
-                    max_num_batched_tokens=4096, enable_prefix_caching=False)
-    settings.update(overrides)
+def engine_for(path, **overrides: dict[str, Any]) -> LocalEngine:
+    settings: dict[str, dict[str, Any]] = {
+        "worker": {"model": str(path)},
+        "cache": {"block_size": 16, "num_kv_blocks": 512, "enable_prefix_caching": False},
+        "scheduler": {"max_num_batched_tokens": 4096}}
+    for section, fields in overrides.items():
+        settings[section] = {**settings.get(section, {}), **fields}
     return LocalEngine(**settings)
 
 
@@ -37,7 +41,7 @@ def engine_for(path, **overrides) -> LocalEngine:
 @pytest.mark.parametrize("budget", (16, 64, 4096))
 def test_greedy_matches_transformers(checkpoints, references, arch, budget):
     prompts, expected = references
-    engine = engine_for(checkpoints[arch], max_num_batched_tokens=budget)
+    engine = engine_for(checkpoints[arch], scheduler={"max_num_batched_tokens": budget})
     results = engine.generate(prompts, GREEDY)
     for prompt, want, got in zip(prompts, expected[arch], results, strict=True):
         assert got.output_token_ids == want, f"prompt of {len(prompt)} tokens diverged"
@@ -49,7 +53,8 @@ def test_greedy_matches_transformers(checkpoints, references, arch, budget):
 def test_greedy_matches_under_preemption(checkpoints, references, arch):
     prompts, expected = references
     # 48 blocks of 16 tokens hold the largest request (632 tokens = 40 blocks), never all.
-    engine = engine_for(checkpoints[arch], num_kv_blocks=48, max_num_batched_tokens=256)
+    engine = engine_for(checkpoints[arch], cache={"num_kv_blocks": 48},
+                        scheduler={"max_num_batched_tokens": 256})
     results = engine.generate(prompts, GREEDY)
     assert engine.scheduler.stats.num_preemptions > 0
     assert [r.output_token_ids for r in results] == expected[arch]
@@ -62,7 +67,8 @@ def test_greedy_matches_with_prefix_caching(checkpoints):
     shared = [rng.randrange(3, 256) for _ in range(200)]
     prompts = [shared + [rng.randrange(3, 256) for _ in range(n)] for n in (5, 40, 90, 3)]
     expected = hf_greedy(path, prompts, NEW_TOKENS)
-    engine = engine_for(path, enable_prefix_caching=True, max_num_batched_tokens=128)
+    engine = engine_for(path, cache={"enable_prefix_caching": True},
+                        scheduler={"max_num_batched_tokens": 128})
     first = engine.generate(prompts[:1], GREEDY)  # fills the cache with the prefix
     rest = engine.generate(prompts[1:], GREEDY)
     assert [r.output_token_ids for r in first + rest] == expected

@@ -16,7 +16,7 @@ import pytest
 
 from controller.actor import ControllerActor
 from controller.messages import SamplingParams, StepPlan, StepResult
-from controller.options import ControllerOptions
+from controller.options import ControllerOptions, WorkerConfig
 from controller.request import RequestOutput
 from controller.scheduler import SchedulerConfig
 from controller.streams import merge_deltas
@@ -99,11 +99,11 @@ def make_actor(num_workers: int = 2) -> tuple[ControllerActor, list[FakeWorkerHa
                for _ in range(num_workers)]
 
     def start_workers(opts: ControllerOptions) -> list[FakeWorkerHandle]:
-        assert opts.num_workers == num_workers
+        assert opts.worker.num_workers == num_workers
         return handles
 
     options = ControllerOptions(
-        num_workers=num_workers,
+        worker=WorkerConfig(num_workers=num_workers),
         scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8),
         recovery=RecoveryConfig(step_deadline_min_s=0.2, restart_backoff_s=0.001))
     actor = ControllerActor(options, worker_factory=start_workers,

@@ -25,7 +25,7 @@ def test_serve_config_is_valid() -> None:
     (app,) = schema.applications
     assert app.import_path == "cluster.ingress:build_app"
     settings = TokenflowConfig(**config["applications"][0]["args"])
-    assert settings.detached_controller and Path(settings.model).is_absolute()
+    assert settings.cluster.detached_controller and Path(settings.worker.model).is_absolute()
 
 
 def test_rayservice_embeds_the_serve_config() -> None:

@@ -66,7 +66,8 @@ class FakeClient:
 
 
 def make_client(fake: FakeClient, **config: Any) -> TestClient:
-    server = OpenAIServer(TokenflowConfig(max_prefill_tokens=64, **config), fake)
+    server = OpenAIServer(TokenflowConfig(protections={"max_prefill_tokens": 64}, **config),
+                          fake)
     app = FastAPI()
 
     async def completions(request: Request) -> Response:
@@ -89,7 +90,7 @@ def sse_data(text: str) -> list[str]:
 
 def test_full_queue_is_429_with_retry_after() -> None:
     client = make_client(FakeClient([], refuse=QueueFullError("all queues full")),
-                         retry_after_s=7)
+                         cluster={"retry_after_s": 7})
     resp = client.post(COMPLETIONS, json=BODY)
     assert resp.status_code == 429
     assert resp.headers["retry-after"] == "7"

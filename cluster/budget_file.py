@@ -1,0 +1,177 @@
+"""The budget file (`tokenflow calibrate --out budget.json`): its pydantic model and loader.
+
+The controller's `BudgetTable` trusts its data; a file enters only through
+`load_budget_table`, which refuses a table that is not of this schema version or whose
+fields have the wrong type or range, naming the offending field. Strict: a JSON string is
+not a number, 1 is not true. Keys beyond the listed ones are ignored (the writer may add
+fields; `schema_version` changes when a listed one changes).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from controller.budget import SCHEMA_VERSION, BudgetTable
+
+NonNegInt = Annotated[int, Field(ge=0)]
+PosInt = Annotated[int, Field(ge=1)]
+NonNeg = Annotated[float, Field(ge=0)]
+Pos = Annotated[float, Field(gt=0)]
+Fraction = Annotated[float, Field(ge=0, le=1)]
+
+
+class _Part(BaseModel):
+    model_config = ConfigDict(strict=True, frozen=True)
+
+
+class Spec(_Part):
+    """What was measured (workers/calibrate.py `CalibrationSpec`)."""
+
+    model: str
+    dtype: str
+    device: str
+    block_size: PosInt
+    tile_tokens: PosInt
+    warmup: NonNegInt
+    iters: PosInt
+    threads: PosInt | None
+    prefill_tokens: list[PosInt]
+    contexts: list[NonNegInt]
+    decode_batches: list[PosInt]
+    decode_contexts: list[NonNegInt]
+    matmul_size: PosInt
+    bandwidth_bytes: PosInt
+    memory_fraction: Fraction
+
+
+class ModelStats(_Part):
+    num_params: PosInt
+    weight_bytes: PosInt
+    weight_bits: PosInt
+    measured_weight_bits: PosInt
+    flops_per_token: Pos
+    flops_per_pair: Pos
+    flops_per_sample: NonNeg
+    max_model_len: PosInt
+
+
+class Hardware(_Part):
+    peak_flops: Pos  # FLOP/s
+    memory_bandwidth: Pos  # bytes/s
+
+
+class AllocProbe(_Part):
+    blocks: NonNegInt
+    ok: bool
+
+
+class KVStats(_Part):
+    bytes_per_block: PosInt
+    memory_budget_bytes: NonNegInt
+    blocks_fit: NonNegInt
+    alloc_probe: list[AllocProbe]
+    blocks_allocated: NonNegInt
+    max_blocks_int64: PosInt
+    max_tokens_int32_offset: PosInt
+    capacity_tokens: NonNegInt
+
+
+class Timing(_Part):
+    mean_s: Pos
+    median_s: Pos
+    std_s: NonNeg
+    bytes_moved: NonNegInt
+
+
+class PrefillPoint(Timing):
+    tokens: PosInt
+    context: NonNegInt
+
+
+class DecodePoint(Timing):
+    batch: PosInt
+    context: NonNegInt
+
+
+class Fit(_Part):
+    """t = a + b * tokens + c * pairs, with the fit's relative errors."""
+
+    a: NonNeg
+    b: NonNeg
+    c: NonNeg
+    median_rel_error: NonNeg
+    max_rel_error: NonNeg
+
+
+class BytesFit(_Part):
+    weights: NonNeg
+    per_token: NonNeg
+    per_context_token: NonNeg
+
+
+class Fits(_Part):
+    prefill: Fit
+    decode: Fit
+    bytes: BytesFit
+
+
+class Limits(_Part):
+    bandwidth_headroom: Fraction
+    chunk_efficiency: Fraction
+    plan_context_tokens: NonNegInt
+    plan_decodes: NonNegInt
+
+
+class BindingRow(_Part):
+    tokens_min: PosInt
+    tokens_max: PosInt
+    binding: Literal["compute", "bandwidth", "kv_capacity"]
+    compute_s: NonNeg
+    bandwidth_s: NonNeg
+    predicted_s: NonNeg
+
+
+class Recommendation(_Part):
+    itl_slo_ms: Pos
+    max_num_batched_tokens: PosInt
+    chunk_size: PosInt
+    limited_by: str
+
+
+class BudgetFile(_Part):
+    schema_version: Literal[SCHEMA_VERSION]  # type: ignore[valid-type]
+    created_unix: NonNeg
+    device_name: str
+    spec: Spec
+    model_stats: ModelStats
+    hardware: Hardware
+    kv: KVStats
+    prefill: list[PrefillPoint]
+    decode: list[DecodePoint]
+    fit: Fits
+    limits: Limits
+    table: list[BindingRow]
+    recommendation: Recommendation
+
+
+def validate_budget(data: Any, source: str = "budget table") -> None:
+    """Raise ValueError naming each bad field (`spec.block_size: ...`) of `data`."""
+    try:
+        BudgetFile.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}"
+            f" (got {err['input']!r:.60})" for err in exc.errors())
+        raise ValueError(f"{source} is not a budget table of schema version "
+                         f"{SCHEMA_VERSION}: {problems}") from None
+
+
+def load_budget_table(path: str | Path) -> BudgetTable:
+    """Read and validate a budget file."""
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    validate_budget(data, str(path))
+    return BudgetTable(data)

@@ -1,0 +1,129 @@
+"""TokenflowConfig: nested sections, one name per setting, unknown keys refused by name."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from cluster.config import TokenflowConfig, check_env, nest
+from cluster.ingress import build_app
+from controller.flow import FlowConfig
+from controller.options import WorkerConfig
+from controller.scheduler import SchedulerConfig
+
+SERVE_YAML = Path(__file__).resolve().parents[2] / "deploy" / "serve.yaml"
+
+
+def serve_args() -> dict[str, Any]:
+    return yaml.safe_load(SERVE_YAML.read_text())["applications"][0]["args"]
+
+
+@pytest.mark.parametrize(("edit", "name"), [
+    (lambda a: a["scheduler"].update(max_num_batched_tokns=4096), "max_num_batched_tokns"),
+    (lambda a: a.update(schedular={"max_num_seqs": 8}), "schedular"),
+    (lambda a: a.update(max_num_seqs=8), "max_num_seqs"),  # the old flat name
+], ids=["field", "section", "flat"])
+def test_misspelled_serve_arg_fails_at_start_naming_it(edit: Any, name: str) -> None:
+    args = copy.deepcopy(serve_args())
+    build_app(copy.deepcopy(args))  # the shipped file is accepted
+    edit(args)
+    with pytest.raises(ValidationError, match=name):
+        build_app(args)
+
+
+def test_misspelled_keyword_fails_naming_it() -> None:
+    with pytest.raises(ValidationError, match=r"flow\.cache_entr"):
+        TokenflowConfig(flow={"cache_entr": 0.5})
+    with pytest.raises(ValidationError, match="num_kv_blocks"):
+        TokenflowConfig(num_kv_blocks=64)
+
+
+@pytest.mark.parametrize("name", [
+    "TOKENFLOW_MAX_NUM_SEQS",  # the old flat name
+    "TOKENFLOW_SCHEDULER__MAX_NUM_SEQ",
+    "TOKENFLOW_SCHEDULR__MAX_NUM_SEQS",
+    "TOKENFLOW_CLUSTER__PORT__X",
+])
+def test_misspelled_env_variable_fails_naming_it(monkeypatch: pytest.MonkeyPatch,
+                                                  name: str) -> None:
+    monkeypatch.setenv(name, "8")
+    with pytest.raises(ValueError, match=name):
+        TokenflowConfig()
+
+
+def test_env_variables_that_are_not_settings_pass() -> None:
+    check_env({"TOKENFLOW_CACHE_DIR": "/tmp/x", "TOKENFLOW_BENCH_THREADS": "2",
+               "PATH": "/bin", "TOKENFLOW_WORKER": '{"seed": 3}'})
+
+
+def test_nested_env_override_merges_with_keywords(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TOKENFLOW_SCHEDULER__MAX_NUM_BATCHED_TOKENS", "4096")
+    monkeypatch.setenv("TOKENFLOW_CALIBRATION__CONTEXTS", "[0, 512]")
+    monkeypatch.setenv("tokenflow_cluster__port", "8123")  # case does not matter
+    config = TokenflowConfig(scheduler={"max_num_seqs": 8})
+    assert config.scheduler.max_num_batched_tokens == 4096
+    assert config.scheduler.max_num_seqs == 8
+    assert config.calibration.contexts == (0, 512)
+    assert config.cluster.port == 8123
+    options = config.controller_options()
+    assert options.scheduler.max_num_batched_tokens == 4096
+
+
+def test_model_dump_round_trips() -> None:
+    # The ingress ships the config to its replicas as a dict.
+    config = TokenflowConfig(
+        worker={"model": "builtin:tiny", "served_model_name": "tiny", "seed": 7},
+        scheduler={"tenant_weights": {"a": 2.0}, "scheduling_policy": "prefill-first",
+                   "max_chunk_tokens": 64},
+        flow={"throttle_chunks": 3}, degraded={"chunk_tokens": 32},
+        calibration={"budget_file": "budget.json", "contexts": [0, 64]},
+        cluster={"namespace": "x", "detached_controller": True})
+    dump = config.model_dump()
+    again = TokenflowConfig(**dump)
+    assert again == config
+    assert again.model_dump() == dump
+    assert again.calibration.budget_file == Path("budget.json")
+    assert isinstance(again.scheduler, SchedulerConfig)
+
+
+def test_bounds_are_checked_by_pydantic_and_by_the_dataclass() -> None:
+    with pytest.raises(ValidationError, match=r"scheduler\.max_num_seqs"):
+        TokenflowConfig(scheduler={"max_num_seqs": 0})
+    with pytest.raises(ValueError, match=r"SchedulerConfig\.max_num_seqs must be >= 1"):
+        SchedulerConfig(max_num_seqs=0)
+    with pytest.raises(ValueError, match=r"cache_exit must be below"):
+        TokenflowConfig(flow={"cache_exit": 0.9})
+    with pytest.raises(ValueError, match="max_chunk_tokens must not exceed"):
+        SchedulerConfig(max_num_batched_tokens=64, max_chunk_tokens=128)
+
+
+def test_every_setting_is_documented() -> None:
+    schema = TokenflowConfig.model_json_schema()
+    sections = schema["$defs"]
+    assert set(schema["properties"]) == {"worker", "cache", "scheduler", "flow", "protections",
+                                         "degraded", "calibration", "cluster", "recovery"}
+    for name, section in sections.items():
+        for field, spec in section["properties"].items():
+            assert spec.get("description"), f"{name}.{field} has no description"
+    # One name per setting: each component's config is the section itself.
+    assert {f.name for f in dataclasses.fields(FlowConfig)} == \
+        set(sections["FlowConfig"]["properties"])
+
+
+def test_cli_options_nest() -> None:
+    assert nest({"worker.model": "m", "cache.block_size": None, "cluster.port": 1}) == \
+        {"worker": {"model": "m"}, "cluster": {"port": 1}}
+    config = TokenflowConfig(**nest({"worker.served_model_name": "n"}))
+    assert config.worker == WorkerConfig(served_model_name="n")
+    assert config.worker.model_name == "n"
+
+
+def test_map_fields_take_keys_in_the_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TOKENFLOW_SCHEDULER__TENANT_WEIGHTS__GOLD", "3")
+    assert TokenflowConfig().scheduler.tenant_weights == {"gold": 3.0}
