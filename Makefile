@@ -9,7 +9,7 @@ MODEL ?= builtin:tiny
 PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: install serve test bench bench-quick lint calibrate clean
+.PHONY: install serve test bench bench-quick bench-gpu lint calibrate clean
 
 install: $(STAMP)
 
@@ -35,6 +35,11 @@ bench: $(STAMP)
 
 bench-quick: $(STAMP)
 	$(PY) -m benchmarks.run --quick
+
+# The GPU table (benchmarks/gpu_bench.py). Where no venv can be installed (a GPU machine
+# without network), run it with the system Python: `python3 -m benchmarks.gpu_bench`.
+bench-gpu: $(STAMP)
+	$(PY) -m benchmarks.gpu_bench
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check cluster controller workers kvcache tests benchmarks

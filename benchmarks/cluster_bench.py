@@ -11,6 +11,10 @@
    lengths, `ignore_eos`) through the OpenAI HTTP API of a one-worker cluster and through an
    in-process `LocalEngine`, alternated round by round (benchmarks/timing.py) so both see
    the same background load. Output tokens/s and the paired ratio.
+3. Ray path against a 3 ms step: the overhead of (1) again, with a stand-in worker actor
+   (benchmarks/standin_worker.py) that runs no model and answers every step after 3 ms,
+   the step a 1B model should take on a GPU: the controller's and Ray's share of such a step
+   (goal: under 10 %).
 Writes benchmarks/results/cluster.json.
 """
 
@@ -75,6 +79,32 @@ def step_overhead(handle: Any, client: Any, vocab: int, num_running: int,
             "controller_cpu_ms": 1e3 * (wall - call), "transport_ms": 1e3 * (call - compute)}
 
 
+def standin_overhead(config: TokenflowConfig, decode_steps: int) -> dict[str, Any]:
+    """Section 3: a second controller (own namespace) whose worker is the 3 ms stand-in."""
+    import dataclasses
+
+    import ray
+
+    from benchmarks.standin_worker import STEP_S
+    from cluster.controller_client import MultiplexedControllerClient
+    from controller.actor import get_or_create_controller
+
+    options = dataclasses.replace(
+        config.controller_options(), worker_cls="benchmarks.standin_worker:StandInWorkerActor",
+        namespace=f"{config.namespace}-standin", worker_num_cpus=0, telemetry=False)
+    handle = get_or_create_controller(options)
+    try:
+        client = MultiplexedControllerClient(handle)
+        vocab = ray.get(handle.model_info.remote())["vocab_size"]
+        rows = [step_overhead(handle, client, vocab, n, decode_steps)
+                for n in (16, config.max_num_seqs)]
+    finally:
+        ray.kill(handle)
+    for row in rows:
+        row["overhead_share_of_step"] = row["overhead_ms"] / row["step_wall_ms"]
+    return {"worker_step_ms": STEP_S * 1e3, "target_share": 0.10, "steps": rows}
+
+
 def http_workload(url: str, model: str, batch: list[list[int]], max_tokens: int) -> int:
     import httpx
 
@@ -123,6 +153,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         decode_steps = 10 if args.quick else 20
         overhead = [step_overhead(handle, client, info["vocab_size"], n, decode_steps)
                     for n in (1, 16, 64)]
+        ray_path_3ms = standin_overhead(config, decode_steps)
 
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
@@ -145,6 +176,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "model": model, "device": info["devices"][0], "cpu_count": os.cpu_count(),
             "worker_torch_threads": info["torch_threads"][0], "local_torch_threads": threads,
             "controller_step_overhead": overhead,
+            "ray_path_vs_3ms_step": ray_path_3ms,
             "throughput": {
                 "requests": num_requests, "prompt_tokens": prompt_len,
                 "output_tokens_per_request": max_tokens,

@@ -10,12 +10,15 @@ import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from cluster.config import TokenflowConfig
 from controller.core import ControllerCore, PoolSpec
 from controller.messages import SamplingParams, StepPlan, StepResult
 from controller.policies import make_scheduler_class
 from controller.request import RequestOutput
+
+if TYPE_CHECKING:  # pydantic stays out of importers that bring their own engine (gpu_bench)
+    from cluster.config import TokenflowConfig
 
 
 @dataclass
@@ -32,6 +35,7 @@ class Completion:
 class LocalEngine:
     def __init__(self, config: TokenflowConfig | None = None,
                  clock: Callable[[], float] | None = None, **overrides: object):
+        from cluster.config import TokenflowConfig
         from workers.worker import Worker  # torch stays out of torch-free importers
 
         self.config = config or TokenflowConfig(**overrides)  # type: ignore[arg-type]

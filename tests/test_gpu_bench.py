@@ -1,0 +1,117 @@
+"""`benchmarks.gpu_bench --quick` end to end on CPU, as the GPU machine would run it: in a
+fresh interpreter where importing Ray or pydantic fails (that machine has neither)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BLOCKED = ("ray", "pydantic", "pydantic_settings", "pydantic_core")
+
+# Runs in the child: a meta-path finder that refuses the blocked packages, then the bench.
+# A refused import is recorded in a file, so an import swallowed by a try/except still shows.
+BOOT = textwrap.dedent("""
+    import importlib.abc, runpy, sys
+    blocked, log = {blocked!r}, {log!r}
+
+    class Blocker(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.partition(".")[0] in blocked:
+                with open(log, "a") as f:
+                    f.write(name + "\\n")
+                raise ModuleNotFoundError(f"{{name}} is blocked", name=name)
+            return None
+
+    sys.meta_path.insert(0, Blocker())
+    sys.argv = ["gpu_bench", *{argv!r}]
+    runpy.run_module("benchmarks.gpu_bench", run_name="__main__")
+""")
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value)
+
+
+@pytest.fixture(scope="module")
+def quick_report(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path, str]:
+    tmp = tmp_path_factory.mktemp("gpu_bench")
+    out, log = tmp / "gpu.json", tmp / "blocked.txt"
+    argv = ["--quick", "--device", "cpu", "--out", str(out), "--work-dir", str(tmp / "work")]
+    code = BOOT.format(blocked=BLOCKED, log=str(log), argv=argv)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    attempts = log.read_text() if log.exists() else ""
+    return json.loads(out.read_text()), out, attempts
+
+
+def test_quick_mode_runs_without_ray_or_pydantic(quick_report):
+    report, out, attempts = quick_report
+    assert report["benchmark"] == "gpu" and report["quick"] is True
+    assert report["device"] == "cpu"
+    # Nothing on the bench's path even tried them (a swallowed ImportError would hide here).
+    assert attempts == "", f"blocked imports attempted: {attempts.split()}"
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_quick_report_values_are_sane(quick_report):
+    report, _, _ = quick_report
+    cfg = report["config"]
+    prefill = report["prefill"]
+    assert prefill["prompt_tokens"] == cfg["prefill_tokens"]
+    assert prefill["tokenflow_ms"] > 0 and prefill["transformers_ms"] > 0
+    decode = report["decode"]
+    assert decode["batch"] == cfg["decode_batch"] and decode["timed_steps"] == cfg["decode_steps"]
+    assert decode["step_ms"] >= decode["execute_ms"] > 0
+    bound = decode["read_bound"]
+    assert bound["weight_bytes"] > 0 and bound["kv_bytes"] > 0 and bound["bound_ms"] > 0
+    assert decode["vs_read_bound"] == pytest.approx(decode["step_ms"] / bound["bound_ms"])
+    for cache in ("dynamic_cache", "static_cache"):
+        assert _finite(decode["transformers_generate_ms"][cache])
+    mixed = report["mixed"]
+    assert mixed["timed_steps"] >= 1
+    assert all(d >= cfg["mixed_depth"] for d in mixed["chunk_depths"])
+    offline = report["offline"]
+    assert offline["requests"] == cfg["offline_requests"]
+    assert offline["tokenflow_output_tokens_per_s"] > 0
+    assert offline["transformers_output_tokens_per_s"] > 0
+    assert report["copy_bandwidth_bytes_s"] > 0
+
+
+def test_quick_report_scene_and_parity(quick_report):
+    report, _, _ = quick_report
+    scene = report["scene"]
+    for policy in ("tokenflow", "prefill-first"):
+        entry = scene[policy]
+        assert entry["details"]["aborted"] == 0
+        assert entry["users_p99_gap_ms"] >= entry["users_median_gap_ms"] > 0
+        assert entry["long_ttft_s"] > 0
+    assert scene["p99_gap_ratio"] == pytest.approx(
+        scene["tokenflow"]["users_p99_gap_ms"] / scene["prefill-first"]["users_p99_gap_ms"])
+    parity = report["parity"]
+    assert parity["num_sequences"] == report["config"]["parity_prompts"]
+    assert parity["all_equal"], parity["first_mismatch"]  # fp32 greedy: token for token
+
+
+def test_quick_report_host_share_and_profiles(quick_report):
+    report, _, _ = quick_report
+    for kind in ("decode", "mixed"):
+        share = report["host_share"][kind]
+        assert 0 < share["controller_share"] < 1
+        assert 0 < share["controller_ms"] < share["step_ms"]
+        assert 0 < share["execute_ms"] < share["step_ms"]
+    for kind in ("prefill", "decode", "mixed"):
+        profile = report["profiles"][kind]
+        assert profile["num_op_calls"] > 0 and profile["top_host_ops"]
+        assert any(op["op"] == "aten::mm" or "linear" in op["op"]
+                   for op in profile["top_host_ops"])
+    targets = report["targets"]
+    assert targets["fp32_greedy_equal"]["met"]
+    assert all(set(t) == {"value", "comparison", "target", "met"} for t in targets.values())

@@ -1,0 +1,35 @@
+"""The 3 ms stand-in worker keeps its request state from plan diffs as the real worker does:
+driven by a real ControllerCore (no Ray), every request runs to its token count, chunks
+report completion, and finished requests release their blocks on the stand-in too."""
+
+from __future__ import annotations
+
+from benchmarks.standin_worker import STEP_S, StandInWorkerActor
+from controller.core import ControllerCore, PoolSpec
+from controller.messages import SamplingParams
+from controller.scheduler import SchedulerConfig
+
+
+def test_standin_runs_requests_to_completion_from_plan_diffs():
+    worker = StandInWorkerActor("builtin:tiny", num_kv_blocks=64, block_size=16)
+    info = worker.info()
+    core = ControllerCore([PoolSpec(info.num_kv_blocks, info.block_size)],
+                          SchedulerConfig(max_num_batched_tokens=48, max_chunk_tokens=32),
+                          eos_token_ids=info.eos_token_ids, vocab_size=info.vocab_size)
+    lengths = {core.add_request(list(range(3, 3 + n)), SamplingParams(
+        max_tokens=5, temperature=0.0, ignore_eos=True)).request_id: n for n in (70, 9, 40)}
+    tokens: dict[str, list[int]] = {rid: [] for rid in lengths}
+    chunks: dict[str, int] = dict.fromkeys(lengths, 0)
+    while core.has_unfinished():
+        plan = core.begin_step(0)
+        result = worker.execute(plan, info.incarnation)
+        assert result.elapsed_s >= STEP_S
+        for event in result.chunk_events:
+            chunks[event.request_id] += event.num_tokens
+        for out in core.finish_step(0, plan, result):
+            tokens[out.request_id].extend(out.new_token_ids)
+    assert {rid: len(t) for rid, t in tokens.items()} == dict.fromkeys(lengths, 5)
+    assert all(3 <= t < info.vocab_size for ts in tokens.values() for t in ts)
+    assert chunks == lengths  # every prompt token was reported in a chunk, once
+    worker.execute(core.begin_step(0), info.incarnation)  # delivers the finished ids
+    assert worker.held_block_ids() == set() and worker.num_active_requests() == 0
