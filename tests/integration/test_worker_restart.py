@@ -9,12 +9,14 @@ cluster's workers keep their restart budget.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 
 import pytest
 
 from cluster.config import TokenflowConfig
+from cluster.controller_client import RayControllerClient, run_request
 from controller.messages import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -37,41 +39,35 @@ def restart_controller(cluster):
     ray.kill(controller)
 
 
-def _generate(controller, request_id: str) -> tuple[list[int], str | None]:
-    import ray
+async def run_scenario(controller) -> None:
+    client = RayControllerClient(controller)
 
-    tokens: list[int] = []
-    error = None
-    gen = controller.generate.options(num_returns="streaming").remote(
-        PROMPT, PARAMS, request_id)
-    for ref in gen:
-        delta = ray.get(ref, timeout=60)
-        tokens.extend(delta["token_ids"])
-        error = delta.get("error") or error
-    return tokens, error
+    async def generate(request_id: str) -> tuple[list[int], str | None]:
+        _, done = await asyncio.wait_for(run_request(client, PROMPT, PARAMS, request_id), 180)
+        return done.token_ids, done.error
 
-
-def test_cached_prefix_is_recomputed_after_a_worker_restart(restart_controller):
-    import ray
-
-    before, error = _generate(restart_controller, "before")
+    before, error = await generate("before")
     assert error is None and len(before) == PARAMS.max_tokens
-    hit, _ = _generate(restart_controller, "hit")  # served from the prefix cache
+    hit, _ = await generate("hit")  # served from the prefix cache
     assert hit == before
-    worker = ray.get(restart_controller.stats.remote(), timeout=30)["workers"][0]
+    worker = (await controller.stats.remote())["workers"][0]
     os.kill(worker["pid"], signal.SIGKILL)
 
     # The first request after the kill may fail (its step was meant for the dead
     # process); a later one runs on the restarted worker and must not read dead KV.
     attempts: list[tuple[list[int], str | None]] = []
     for attempt in range(5):
-        attempts.append(_generate(restart_controller, f"after-{attempt}"))
+        attempts.append(await generate(f"after-{attempt}"))
         if attempts[-1][1] is None:
             break
     tokens, error = attempts[-1]
     assert error is None, attempts
     assert tokens == before, "a restarted worker served a prefix cached before the crash"
-    after = ray.get(restart_controller.stats.remote(), timeout=30)["workers"][0]
+    after = (await controller.stats.remote())["workers"][0]
     assert after["pid"] != worker["pid"] and after["incarnation"] != worker["incarnation"]
-    report = ray.get(restart_controller.check_integrity.remote(), timeout=60)
+    report = await asyncio.wait_for(controller.check_integrity.remote(), 60)
     assert all(w["checked"] for w in report["workers"])
+
+
+def test_cached_prefix_is_recomputed_after_a_worker_restart(restart_controller):
+    asyncio.run(asyncio.wait_for(run_scenario(restart_controller), 600))
