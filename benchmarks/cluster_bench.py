@@ -47,11 +47,9 @@ def prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 async def run_streams(client: Any, batch: list[list[int]], params: SamplingParams) -> int:
     """All requests at once through the controller; returns the output tokens."""
     async def one(i: int, prompt: list[int]) -> int:
-        count = 0
-        async for delta in client.stream(prompt, params, f"bench-{time.time_ns()}-{i}", 0,
-                                         "bench"):
-            count += len(delta["token_ids"])
-        return count
+        _, deltas = await client.submit(prompt, params, f"bench-{time.time_ns()}-{i}", 0,
+                                        "bench")
+        return sum([len(delta.token_ids) async for delta in deltas])
 
     return sum(await asyncio.gather(*(one(i, p) for i, p in enumerate(batch))))
 
@@ -131,7 +129,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import torch
     from ray import serve
 
-    from cluster.controller_client import MultiplexedControllerClient
+    from cluster.controller_client import RayControllerClient
     from cluster.engine import LocalEngine
     from cluster.ingress import build_app
     from controller.actor import get_or_create_controller
@@ -148,7 +146,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
              include_dashboard=False, namespace=config.cluster.namespace, log_to_driver=False)
     try:
         handle = get_or_create_controller(config.controller_options())
-        client = MultiplexedControllerClient(handle)  # the ingress's path
+        client = RayControllerClient(handle)  # the ingress's path
         info = ray.get(handle.model_info.remote())
         decode_steps = 10 if args.quick else 20
         overhead = [step_overhead(handle, client, info["vocab_size"], n, decode_steps)

@@ -14,12 +14,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TextIO
 
 from cluster import protocol as p
+from cluster.batch_io import read_done_ids, read_items, write_line
 from cluster.config import TokenflowConfig, nest
 from cluster.frontend import Frontend, Prepared, TextStream
 
@@ -29,53 +31,6 @@ class Job:
     custom_id: str
     prepared: Prepared
     stream: TextStream
-
-
-def read_done_ids(path: Path) -> set[str]:
-    """custom_ids already answered in OUT (a previous, interrupted run)."""
-    if not path.exists():
-        return set()
-    done = set()
-    for line in path.read_text().splitlines():
-        try:
-            done.add(json.loads(line)["custom_id"])
-        except (ValueError, KeyError, TypeError):
-            continue  # a torn last line from a crash: that request runs again
-    return done
-
-
-def _custom_id_of(line: str) -> str | None:
-    try:
-        value = json.loads(line).get("custom_id")
-        return value if isinstance(value, str) else None
-    except (ValueError, AttributeError):
-        return None
-
-
-def write_line(out: TextIO, record: dict) -> None:
-    out.write(json.dumps(record) + "\n")
-    out.flush()
-
-
-def read_items(lines: Iterable[str], frontend: Frontend, done_ids: set[str], out: TextIO,
-               counts: dict[str, int]) -> Iterator[tuple[str, Prepared]]:
-    """Validated (custom_id, request) pairs of the input; lines answered in a previous run
-    are skipped, malformed ones get their error line here."""
-    for line in lines:
-        if not line.strip():
-            continue
-        custom_id = _custom_id_of(line)
-        if custom_id is not None and custom_id in done_ids:
-            counts["skipped"] += 1
-            continue
-        try:
-            item = p.parse_batch_line(line)
-            prepared = frontend.prepare(item.url, item.body)
-        except p.ProtocolError as err:
-            write_line(out, p.batch_error_line(custom_id, err))
-            counts["failed"] += 1
-            continue
-        yield item.custom_id, prepared
 
 
 def run_local(lines: Iterable[str], out: TextIO, config: TokenflowConfig,
@@ -106,15 +61,11 @@ def run_local(lines: Iterable[str], out: TextIO, config: TokenflowConfig,
             job = jobs.get(output.request_id)
             if job is None:
                 continue
-            job.stream.push(output.new_token_ids)
-            if job.stream.stopped and not output.finished:
-                engine.abort(output.request_id)  # a stop string ended it
-                output.finish_reason = "stop"
-            if output.finish_reason is None:
+            _, reason = job.stream.advance(output.new_token_ids, output.finish_reason,
+                                           partial(engine.abort, output.request_id))
+            if reason is None:
                 continue
-            job.stream.finish()
-            body = frontend.response(job.prepared, output.request_id, job.stream,
-                                     output.finish_reason)
+            body = frontend.response(job.prepared, output.request_id, job.stream, reason)
             write_line(out, p.batch_output_line(job.custom_id, body, None, 200))
             del jobs[output.request_id]
             counts["completed"] += 1

@@ -2,18 +2,19 @@
 
 A request body becomes `Prepared` (prompt ids + sampling params, every check done,
 errors as `ProtocolError` with their HTTP status); generated ids become text through an
-incremental detokenizer and the stop-string matcher; the finished text becomes an
-OpenAI response body.
+incremental detokenizer and the stop-string matcher (`TextStream.advance`: the one place a
+stop string ends a request); the finished text becomes an OpenAI response body.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from cluster import protocol as p
 from cluster.config import TokenflowConfig
-from controller.messages import SamplingParams
+from controller.messages import FinishReason, SamplingParams
 from workers.tokenizer import IncrementalDetokenizer, Tokenizer
 
 COMPLETIONS = "/v1/completions"
@@ -50,6 +51,19 @@ class TextStream:
         delta, self.stopped = self.matcher.feed(self.detok.push(new_token_ids))
         self.text += delta
         return delta
+
+    def advance(self, new_token_ids: list[int], finish_reason: FinishReason | None,
+                abort: Callable[[], object]) -> tuple[str, FinishReason | None]:
+        """One delta of the request in: (new text, finish reason). A stop string that
+        matches while the request still runs ends it here as STOP and aborts it where it
+        runs (`abort`); once finished, the text held back for a stop string is flushed."""
+        piece = self.push(new_token_ids)
+        if self.stopped and finish_reason is None:
+            abort()
+            finish_reason = FinishReason.STOP
+        if finish_reason is not None:
+            piece += self.finish()
+        return piece, finish_reason
 
     def finish(self) -> str:
         """Flush text held back for a possible stop string once generation has ended."""
@@ -104,9 +118,9 @@ class Frontend:
         return TextStream(self.tokenizer, prepared.params.stop)
 
     def response(self, prepared: Prepared, request_id: str, stream: TextStream,
-                 finish_reason: str | None) -> dict:
+                 finish_reason: FinishReason | None) -> dict:
         """The non-streaming OpenAI body of a finished request."""
-        reason = "stop" if stream.stopped or finish_reason == "abort" else finish_reason
+        reason = openai_finish_reason(stream, finish_reason)
         return_ids = bool(prepared.request.return_token_ids)
         args = dict(request_id=request_id, model=self.config.worker.model_name,
                     created=int(time.time()), text=stream.text, finish_reason=reason,
@@ -117,3 +131,11 @@ class Frontend:
         if prepared.is_chat:
             return p.chat_completion_response(**args)
         return p.completion_response(**args)
+
+
+def openai_finish_reason(stream: TextStream, finish_reason: FinishReason | None
+                         ) -> FinishReason | None:
+    """OpenAI has no "abort": an aborted request (a stop string, its consumer) says STOP."""
+    if stream.stopped or finish_reason == FinishReason.ABORT:
+        return FinishReason.STOP
+    return finish_reason

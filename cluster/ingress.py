@@ -3,9 +3,9 @@
 Everything textual happens here, never in the controller: validation, tokenization (chat
 template for chat), the 422 circuit breaker (`Frontend.prepare`, before any actor call),
 incremental detokenization and stop strings (`TextStream`). The controller sees token ids
-and streams token ids back through `generate`, a Ray streaming generator whose first item
-acknowledges admission, so a full queue (429) or an unrunnable request (400) is known before
-any response header is sent.
+and streams them back as `Delta`s (cluster/controller_client.py: one `submit` per request,
+one shared `subscribe` stream per replica); `submit` answers with an `Ack` or raises, so a
+full queue (429) or an unrunnable request (400) is known before any response header is sent.
 
 A request whose consumer goes away (client disconnect: Serve cancels the handler, the SSE
 generator is closed) is aborted at the controller from a `finally`, which frees its blocks.
@@ -29,9 +29,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster import protocol as p
 from cluster.config import TokenflowConfig
-from cluster.controller_client import ControllerClient, MultiplexedControllerClient
-from cluster.frontend import CHAT, COMPLETIONS, Frontend, Prepared, TextStream
-from controller.core import QueueFullError
+from cluster.controller_client import ControllerClient, RayControllerClient
+from cluster.frontend import (
+    CHAT,
+    COMPLETIONS,
+    Frontend,
+    Prepared,
+    TextStream,
+    openai_finish_reason,
+)
+from controller.core import NoWorkerUpError, QueueFullError
+from controller.messages import Delta, FinishReason
 from workers.tokenizer import Tokenizer
 
 
@@ -73,18 +81,18 @@ class OpenAIServer:
         except p.ProtocolError as err:
             return error_response(err)
         request_id = p.new_chat_completion_id() if prepared.is_chat else p.new_completion_id()
-        deltas = self.client.stream(prepared.prompt_token_ids, prepared.params, request_id,
-                                    prepared.priority,
-                                    request.headers.get("x-tenant-id", "default"))
         try:
-            await anext(deltas)  # the admission acknowledgement
+            _, deltas = await self.client.submit(prepared.prompt_token_ids, prepared.params,
+                                                 request_id, prepared.priority,
+                                                 request.headers.get("x-tenant-id", "default"))
         except QueueFullError as err:
             return error_response(p.ProtocolError(429, str(err), code="queue_full"),
                                   {"Retry-After": str(self.config.cluster.retry_after_s)})
+        except NoWorkerUpError as err:  # every worker is restarting: come back shortly
+            return error_response(p.ProtocolError(503, str(err), code="no_worker_up"),
+                                  {"Retry-After": str(self.config.cluster.retry_after_s)})
         except ValueError as err:
             return error_response(p.ProtocolError(400, str(err)))
-        except StopAsyncIteration:
-            return error_response(p.ProtocolError(503, "the controller closed the stream"))
         except Exception as err:
             return self.unavailable(err)
         if prepared.request.stream:
@@ -94,11 +102,12 @@ class OpenAIServer:
         return await self._complete(frontend, prepared, request_id, deltas)
 
     async def _complete(self, frontend: Frontend, prepared: Prepared, request_id: str,
-                        deltas: AsyncIterator[dict[str, Any]]) -> Response:
+                        deltas: AsyncIterator[Delta]) -> Response:
         text, reason, error = await collect(frontend, prepared, request_id, deltas,
                                             self.client.abort)
         if error is not None:
-            return error_response(p.ProtocolError(503, error))
+            return error_response(p.ProtocolError(503, error),
+                                  {"Retry-After": str(self.config.cluster.retry_after_s)})
         return JSONResponse(frontend.response(prepared, request_id, text, reason))
 
     async def models(self) -> Response:
@@ -120,33 +129,29 @@ class OpenAIServer:
 
 
 async def collect(frontend: Frontend, prepared: Prepared, request_id: str,
-                  deltas: AsyncIterator[dict[str, Any]], abort: Callable[[str], None]
-                  ) -> tuple[TextStream, str | None, str | None]:
+                  deltas: AsyncIterator[Delta], abort: Callable[[str], None]
+                  ) -> tuple[TextStream, FinishReason | None, str | None]:
     """Run one request to its end: (text, finish reason, error). Used for non-streaming
     answers and by the remote batch runner."""
     text = frontend.text_stream(prepared)
-    reason: str | None = None
+    reason: FinishReason | None = None
     try:
         async for delta in deltas:
-            if delta["error"]:
-                reason = "abort"
-                return text, reason, delta["error"]
-            text.push(delta["token_ids"])
-            reason = delta["finish_reason"]
-            if text.stopped and reason is None:
-                abort(request_id)  # a stop string ended it
-                reason = "stop"
+            if delta.error:
+                reason = FinishReason.ABORT
+                return text, reason, delta.error
+            _, reason = text.advance(delta.token_ids, delta.finish_reason,
+                                     lambda: abort(request_id))
             if reason is not None:
                 break
     finally:
         if reason is None:  # cancelled (the client went away) or the stream broke
             abort(request_id)
-    text.finish()
     return text, reason, None
 
 
 async def sse_events(frontend: Frontend, prepared: Prepared, request_id: str,
-                     deltas: AsyncIterator[dict[str, Any]],
+                     deltas: AsyncIterator[Delta],
                      abort: Callable[[str], None]) -> AsyncIterator[bytes]:
     """Server-sent events of one request, ending in `data: [DONE]`. Chunks carry text
     deltas (and the delta's token ids with `return_token_ids`); the last one carries the
@@ -157,7 +162,7 @@ async def sse_events(frontend: Frontend, prepared: Prepared, request_id: str,
     return_ids = bool(req.return_token_ids)
     prompt_ids: list[int] | None = prepared.prompt_token_ids if return_ids else None
     text = frontend.text_stream(prepared)
-    reason: str | None = None
+    reason: FinishReason | None = None
     try:
         if chat:  # OpenAI's first chat chunk announces the role
             yield p.sse(p.chat_completion_chunk(request_id, model, created, first=True,
@@ -165,19 +170,15 @@ async def sse_events(frontend: Frontend, prepared: Prepared, request_id: str,
                                                 include_usage=include_usage))
             prompt_ids = None
         async for delta in deltas:
-            if delta["error"]:
-                reason = "abort"
-                yield p.sse(p.error_body(p.ProtocolError(503, delta["error"])))
+            if delta.error:
+                reason = FinishReason.ABORT
+                yield p.sse(p.error_body(p.ProtocolError(503, delta.error)))
                 break
-            piece = text.push(delta["token_ids"])
-            reason = delta["finish_reason"]
-            if text.stopped and reason is None:
-                abort(request_id)  # a stop string ended it
-                reason = "stop"
+            piece, reason = text.advance(delta.token_ids, delta.finish_reason,
+                                         lambda: abort(request_id))
             if reason is not None:
-                piece += text.finish()
-                reason = "stop" if text.stopped or reason == "abort" else reason
-            ids = delta["token_ids"] if return_ids else None
+                reason = openai_finish_reason(text, reason)
+            ids = delta.token_ids if return_ids else None
             if piece or ids or reason is not None:
                 if chat:
                     chunk = p.chat_completion_chunk(request_id, model, created, piece or None,
@@ -219,7 +220,7 @@ class TokenflowIngress:
 
         self.config = TokenflowConfig(**(config or {}))
         handle = get_or_create_controller(self.config.controller_options())
-        self.server = OpenAIServer(self.config, MultiplexedControllerClient(handle))
+        self.server = OpenAIServer(self.config, RayControllerClient(handle))
 
     @app.post(COMPLETIONS)
     async def completions(self, request: Request) -> Response:

@@ -4,10 +4,11 @@
     python -m cluster.batch -i IN -o OUT          # on a node of the cluster
 
 Connects with `ray.init(address="auto")` to the cluster and its named controller, then
-streams every request of the file through the same `generate` the HTTP ingress uses, with
-at most `batch_max_in_flight` requests outstanding (the controller's queue stays bounded for
-online traffic). Output lines are written and flushed as requests finish, so an interrupted
-run resumes from OUT. A full queue (429 over HTTP) is retried after `retry_after_s`.
+streams every request of the file through the same client the HTTP ingress uses (`submit`
+per request, one `subscribe` stream for all of them), with at most `batch_max_in_flight`
+requests outstanding (the controller's queue stays bounded for online traffic). Output
+lines are written and flushed as requests finish, so an interrupted run resumes from OUT.
+A full queue (429 over HTTP) is retried after `retry_after_s`.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ from collections.abc import Iterable
 from typing import Any, TextIO
 
 from cluster import protocol as p
-from cluster.batch import read_items, write_line
+from cluster.batch_io import read_items, write_line
 from cluster.config import TokenflowConfig
 from cluster.frontend import Frontend, Prepared
-from controller.core import QueueFullError
+from controller.core import NoWorkerUpError, QueueFullError
 
 logger = logging.getLogger(__name__)
 
@@ -95,13 +96,12 @@ async def _generate(server: Any, frontend: Frontend, prepared: Prepared) -> dict
     client = server.client
     request_id = p.new_chat_completion_id() if prepared.is_chat else p.new_completion_id()
     while True:
-        deltas = client.stream(prepared.prompt_token_ids, prepared.params, request_id,
-                               prepared.priority, "batch")
         try:
-            await anext(deltas)  # admission
+            _, deltas = await client.submit(prepared.prompt_token_ids, prepared.params,
+                                            request_id, prepared.priority, "batch")
             break
-        except QueueFullError:
-            await asyncio.sleep(max(server.config.cluster.retry_after_s, 0.1))  # as a 429 says
+        except (QueueFullError, NoWorkerUpError):  # 429 / 503: retry after the advised wait
+            await asyncio.sleep(max(server.config.cluster.retry_after_s, 0.1))
         except ValueError as err:
             raise p.ProtocolError(400, str(err)) from None
     text, reason, error = await collect(frontend, prepared, request_id, deltas, client.abort)

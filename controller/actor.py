@@ -1,16 +1,16 @@
 """The controller as an async Ray actor: `ControllerCore` plus one step loop per worker actor.
 
 Each worker has its own asyncio task: drain events, `schedule(w)`, await the worker's
-`execute`, `apply(w, plan, result)`, hand the deltas to the request streams. The tasks share
+`execute`, `apply(w, plan, result)`, hand the deltas to the subscribers. The tasks share
 nothing but the core, which is only touched between awaits, so the single-threaded event loop
 is the lock; a slow worker only delays its own loop. A loop with nothing to do parks on an
-`asyncio.Event` that `generate`, `abort` and event producers set: no polling.
+`asyncio.Event` that `submit`, `abort` and event producers set: no polling.
 
-`generate` is a Ray streaming generator: the first item acknowledges admission (an empty
-delta naming the worker), then one item per batch of new tokens. The HTTP ingress uses the
-multiplexed form instead: `submit` per request plus one `subscribe` stream per ingress
-replica that carries every request's deltas, a list per step (controller/streams.py says
-why). Deltas that pile up while a consumer is slow are merged, never dropped.
+One streaming protocol toward the edge, multiplexed: a consumer (an ingress replica, a batch
+runner) opens one `subscribe` stream that carries the `Delta`s of all its requests, a list per
+step, and admits each request with a plain `submit` call, which answers with an `Ack` or
+raises (ValueError: never runnable; QueueFullError: 429). Deltas that pile up while a
+consumer is slow are merged, never dropped (controller/streams.py).
 The worker actor class is named by an import path (`ControllerOptions.worker_cls`) so the
 controller has no static dependency on torch code; tests inject a `worker_factory` instead.
 """
@@ -28,11 +28,11 @@ from typing import Any
 import ray
 
 from controller.core import ControllerCore, PoolSpec
-from controller.messages import SamplingParams
+from controller.messages import Ack, Delta, SamplingParams
 from controller.options import ControllerOptions
 from controller.policies import make_scheduler_class
 from controller.request import Request, RequestOutput
-from controller.streams import RequestStream, Subscriber, ack
+from controller.streams import Subscriber
 from controller.worker_loop import WorkerSlot
 
 logger = logging.getLogger(__name__)
@@ -78,7 +78,6 @@ class ControllerActor:
         self.slots: list[WorkerSlot] = []
         self.vocab_size = 0
         self.max_model_len = options.worker.max_model_len
-        self._streams: dict[str, RequestStream] = {}
         self._subscribers: dict[str, Subscriber] = {}
         self._subscriber_of: dict[str, Subscriber] = {}  # request id -> its subscriber
         self.num_aborted = 0  # requests that were still unfinished when aborted
@@ -144,33 +143,11 @@ class ControllerActor:
         self.slots[worker].notify()
         return request, worker
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: str | None = None, priority: int = 0,
-                       tenant: str = "default") -> AsyncIterator[dict[str, Any]]:
-        """Stream of deltas; raises ValueError (never runnable) or QueueFullError (429)
-        before the first item, which acknowledges admission."""
-        core = await self._started()
-        request, worker = self._admit(core, prompt_token_ids, params, request_id, priority,
-                                      tenant)
-        rid = request.request_id
-        stream = self._streams[rid] = RequestStream()
-        finished = False
-        try:
-            yield ack(rid, worker, request.num_prompt_tokens)
-            while not finished:
-                delta = await stream.next_delta(worker)
-                finished = delta["finish_reason"] is not None
-                yield delta
-        finally:
-            self._streams.pop(rid, None)
-            if not finished:  # the consumer went away (cancelled or closed the stream)
-                self._abort(rid)
-
     async def submit(self, prompt_token_ids: list[int], params: SamplingParams,
                      request_id: str, priority: int, tenant: str,
-                     subscriber: str) -> dict[str, Any]:
-        """Admit a request whose deltas go to `subscribe(subscriber)`; returns the
-        acknowledgement or raises like `generate`."""
+                     subscriber: str) -> Ack:
+        """Admit a request whose deltas go to `subscribe(subscriber)`. Raises ValueError
+        (never runnable) or QueueFullError (the queues are full) instead."""
         core = await self._started()
         # Get-or-create: Ray may start this call before the subscriber's `subscribe`.
         sub = self._subscribers.setdefault(subscriber, Subscriber())
@@ -178,9 +155,9 @@ class ControllerActor:
                                       tenant)
         sub.add(request.request_id, worker)
         self._subscriber_of[request.request_id] = sub
-        return ack(request.request_id, worker, request.num_prompt_tokens)
+        return Ack(request.request_id, worker, request.num_prompt_tokens)
 
-    async def subscribe(self, subscriber: str) -> AsyncIterator[list[dict[str, Any]]]:
+    async def subscribe(self, subscriber: str) -> AsyncIterator[list[Delta]]:
         """Deltas of every request submitted for `subscriber`, a list per wake-up. When
         the subscriber goes away its unfinished requests are aborted."""
         sub = self._subscribers.setdefault(subscriber, Subscriber())
@@ -188,12 +165,12 @@ class ControllerActor:
             while True:
                 batch = await sub.next_batch()
                 for delta in batch:
-                    if delta["finish_reason"] is not None:
-                        self._subscriber_of.pop(delta["request_id"], None)
+                    if delta.is_finished:
+                        self._subscriber_of.pop(delta.request_id, None)
                 yield batch
         finally:
             self._subscribers.pop(subscriber, None)
-            for request_id in list(sub.workers):
+            for request_id in list(sub.request_to_worker):
                 self._subscriber_of.pop(request_id, None)
                 self._abort(request_id)
 
@@ -215,15 +192,15 @@ class ControllerActor:
         return True
 
     def _deliver(self, out: RequestOutput) -> None:
-        consumer = self._streams.get(out.request_id) or self._subscriber_of.get(out.request_id)
-        if consumer is not None:
-            consumer.push(out)
+        subscriber = self._subscriber_of.get(out.request_id)
+        if subscriber is not None:
+            subscriber.push(out)
 
     # -- introspection -------------------------------------------------------------------
     async def stats(self) -> dict[str, Any]:
         await self._started()
         return {"workers": [slot.stats() for slot in self.slots],
-                "num_streams": len(self._streams) + len(self._subscriber_of),
+                "num_streams": len(self._subscriber_of),
                 "num_subscribers": len(self._subscribers), "num_aborted": self.num_aborted,
                 "num_unfinished": len(self.core.request_to_worker) if self.core else 0}
 

@@ -9,11 +9,19 @@ Protocol (vLLM V1 style, diffs not states):
   blocks appended since the last step.
 - `finished_request_ids` tells the worker to drop its per-request state; a preempted
   request is in that list too and comes back later as `NewRequestData`.
+
+Toward the edge (controller -> ingress or batch runner): `Ack` answers an admitted request,
+then `Delta`s carry its new tokens, the last one with a `FinishReason`.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from controller.request import RequestOutput
 
 
 @dataclass(frozen=True)
@@ -110,3 +118,59 @@ class StepResult:
     # The worker's telemetry sample for this step (workers/telemetry.py), 0..1 of peak
     # memory bandwidth; None when the worker has no telemetry source.
     bandwidth_utilization: float | None = None
+
+
+class FinishReason(enum.StrEnum):
+    """Why a request ended, spelled as the OpenAI API spells `finish_reason`."""
+
+    STOP = "stop"  # EOS, a stop token id, or a stop string at the edge
+    LENGTH = "length"  # max_tokens or the model's context length
+    ABORT = "abort"  # aborted: by its consumer, a protection or a failed worker
+
+
+@dataclass(frozen=True)
+class Ack:
+    """The controller admitted a request (it sits in `worker`'s queue)."""
+
+    request_id: str
+    worker: int
+    num_prompt_tokens: int
+
+
+@dataclass
+class Delta:
+    """New tokens of one request since its last delta; counters as of the latest step."""
+
+    request_id: str
+    worker: int  # -1 when the sender no longer knows it
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None  # None while the request runs
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None  # set when a protection or a failed worker aborted it
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @classmethod
+    def from_output(cls, out: RequestOutput, worker: int) -> Delta:
+        return cls(out.request_id, worker, list(out.new_token_ids), out.finish_reason,
+                   out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens,
+                   out.error)
+
+    @classmethod
+    def merge(cls, deltas: list[Delta]) -> Delta:
+        """Several deltas of one request, oldest first, as one: tokens joined, the last
+        one's state wins, the first error is kept (a consumer that fell behind loses no
+        token and no error)."""
+        last = deltas[-1]
+        return cls(last.request_id, last.worker, [t for d in deltas for t in d.token_ids],
+                   last.finish_reason, last.num_prompt_tokens, last.num_output_tokens,
+                   last.num_cached_tokens, next((d.error for d in deltas if d.error), None))
+
+    @classmethod
+    def failed(cls, request_id: str, error: str) -> Delta:
+        """The end of a request whose delta stream broke on the way to its consumer."""
+        return cls(request_id, -1, finish_reason=FinishReason.ABORT, error=error)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from controller.messages import SamplingParams
+from controller.messages import FinishReason, SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -25,6 +25,10 @@ class RequestStatus(enum.Enum):
     def is_finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
                         RequestStatus.FINISHED_ABORTED)
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return FinishReason(self.value) if self.is_finished else None
 
 
 @dataclass
@@ -106,7 +110,7 @@ class RequestOutput:
 
     request_id: str
     new_token_ids: list[int]
-    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    finish_reason: FinishReason | None  # None while running
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int = 0

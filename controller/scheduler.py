@@ -419,7 +419,6 @@ class Scheduler:
 
     @staticmethod
     def _output(request: Request, new_token_ids: list[int]) -> RequestOutput:
-        finish = request.status.value if request.is_finished else None
-        return RequestOutput(request.request_id, list(new_token_ids), finish,
+        return RequestOutput(request.request_id, list(new_token_ids), request.status.finish_reason,
                              request.num_prompt_tokens, request.num_output_tokens,
                              request.num_cached_tokens)

@@ -1,19 +1,21 @@
 """Seed 004's scene on a local Ray cluster: 16 users streaming, then a long prompt lands.
 
 A second controller (its own namespace, one worker, budget 64) on the session's Ray
-cluster, driven through its Ray streaming `generate`. Afterwards the controller's plan
-log says who advanced in which step: no decoder may miss a step between its tokens
-while the long prompt is prefilled in chunks, and no step may exceed the budget.
+cluster, driven through the edge's `RayControllerClient` (`submit` + `subscribe`).
+Afterwards the controller's plan log says who advanced in which step: no decoder may miss a
+step between its tokens while the long prompt is prefilled in chunks, and no step may exceed
+the budget.
 """
 
 from __future__ import annotations
 
+import asyncio
 import random
-import threading
 
 import pytest
 
 from cluster.config import TokenflowConfig
+from cluster.controller_client import RayControllerClient
 from controller.messages import SamplingParams
 
 BUDGET = 64
@@ -39,42 +41,43 @@ def scene_controller(cluster):
     ray.kill(controller)
 
 
+async def run_scene(controller) -> dict[str, list[int]]:
+    rng = random.Random(4)
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    client = RayControllerClient(controller)
+    tokens: dict[str, list[int]] = {}
+    num_started = 0
+    all_started = asyncio.Event()  # every user has 4 tokens
+
+    async def consume(request_id: str, prompt: list[int], signal: bool) -> None:
+        nonlocal num_started
+        _, deltas = await client.submit(prompt, params, request_id, 0, "default")
+        got = tokens.setdefault(request_id, [])
+        async for delta in deltas:
+            assert delta.error is None, delta.error
+            before = len(got)
+            got.extend(delta.token_ids)
+            if signal and before < 4 <= len(got):
+                num_started += 1
+                if num_started == NUM_USERS:
+                    all_started.set()
+
+    users = [asyncio.create_task(consume(
+        f"user{i}", [rng.randrange(3, 500) for _ in range(32)], True))
+        for i in range(NUM_USERS)]
+    # Every user is decoding before the long prompt lands (a failed user fails the wait).
+    waiter = asyncio.create_task(all_started.wait())
+    await asyncio.wait([waiter, *users], return_when=asyncio.FIRST_COMPLETED)
+    assert all_started.is_set(), [u.exception() for u in users if u.done()]
+    long_prompt = [rng.randrange(3, 500) for _ in range(LONG_PROMPT_LEN)]
+    await asyncio.gather(*users, consume("long", long_prompt, False))
+    return tokens
+
+
 def test_no_decoder_stalls_while_a_long_prompt_is_chunked(scene_controller):
     import ray
 
-    rng = random.Random(4)
-    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
-    started = threading.Semaphore(0)  # one release per user that has 4 tokens
-    tokens: dict[str, list[int]] = {}
-    errors: list[BaseException] = []
-
-    def consume(request_id: str, prompt: list[int], signal: bool) -> None:
-        try:
-            gen = scene_controller.generate.options(num_returns="streaming").remote(
-                prompt, params, request_id)
-            got = tokens.setdefault(request_id, [])
-            for ref in gen:
-                delta = ray.get(ref)
-                before = len(got)
-                got.extend(delta["token_ids"])
-                if signal and before < 4 <= len(got):
-                    started.release()
-        except BaseException as err:  # surfaced by the assertion below
-            errors.append(err)
-
-    users = [threading.Thread(target=consume, args=(
-        f"user{i}", [rng.randrange(3, 500) for _ in range(32)], True))
-        for i in range(NUM_USERS)]
-    for thread in users:
-        thread.start()
-    for _ in range(NUM_USERS):  # every user is decoding before the long prompt lands
-        assert started.acquire(timeout=120)
-    long_prompt = [rng.randrange(3, 500) for _ in range(LONG_PROMPT_LEN)]
-    long_user = threading.Thread(target=consume, args=("long", long_prompt, False))
-    long_user.start()
-    for thread in [*users, long_user]:
-        thread.join(timeout=300)
-    assert not errors, errors
+    tokens = asyncio.run(asyncio.wait_for(run_scene(scene_controller), 300))
     assert all(len(tokens[f"user{i}"]) == 48 for i in range(NUM_USERS))
     assert len(tokens["long"]) == 48
 

@@ -11,13 +11,15 @@ worker's KV is zeros, and a pool that kept its prefix hashes would serve them.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
-import threading
+from collections.abc import Callable
 
 import pytest
 
 from cluster.config import TokenflowConfig
+from cluster.controller_client import RayControllerClient
 from controller.messages import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -43,83 +45,72 @@ def controller(cluster):
     ray.kill(controller)
 
 
-def _stream(controller, prompt: list[int], request_id: str, on_token=None
-            ) -> tuple[list[int], str | None, str | None]:
-    import ray
-
+async def _stream(client: RayControllerClient, prompt: list[int], request_id: str,
+                  on_token: Callable[[int], None] | None = None
+                  ) -> tuple[list[int], str | None, str | None]:
+    _, deltas = await client.submit(prompt, PARAMS, request_id, 0, "default")
     tokens: list[int] = []
     finish, error = None, None
-    gen = controller.generate.options(num_returns="streaming").remote(prompt, PARAMS,
-                                                                      request_id)
-    for ref in gen:
-        delta = ray.get(ref, timeout=120)
-        tokens.extend(delta["token_ids"])
-        finish = delta["finish_reason"] or finish
-        error = delta.get("error") or error
-        if on_token is not None and delta["token_ids"]:
-            on_token(len(tokens))
+    async for delta in deltas:
+        tokens.extend(delta.token_ids)
+        finish = delta.finish_reason or finish
+        error = delta.error or error
+        if on_token is not None and len(tokens) >= 2 > len(tokens) - len(delta.token_ids):
+            on_token(len(tokens))  # once per stream: it has 2 tokens now
     return tokens, finish, error
 
 
-def _run_all(controller, tag: str, kill_worker: int | None = None) -> list[tuple]:
+async def _run_all(controller, client: RayControllerClient, tag: str,
+                   kill_worker: int | None = None) -> list[tuple]:
     """All 16 prompts at once; with `kill_worker`, SIGKILL it once 4 streams have 2 tokens."""
-    import ray
+    started = asyncio.Event()
+    num_started = [0]
 
-    started = threading.Semaphore(0)
-    results: list[tuple | None] = [None] * len(PROMPTS)
+    def on_token(num_tokens: int) -> None:
+        num_started[0] += 1
+        if num_started[0] >= 4:
+            started.set()
 
-    def run(j: int) -> None:
-        fired = [False]
-
-        def on_token(num_tokens: int) -> None:
-            if num_tokens >= 2 and not fired[0]:
-                fired[0] = True
-                started.release()
-
-        results[j] = _stream(controller, PROMPTS[j], f"{tag}-{j}", on_token)
-
-    threads = [threading.Thread(target=run, args=(j,)) for j in range(len(PROMPTS))]
-    for thread in threads:
-        thread.start()
+    tasks = [asyncio.create_task(_stream(client, prompt, f"{tag}-{j}", on_token))
+             for j, prompt in enumerate(PROMPTS)]
     if kill_worker is not None:
-        for _ in range(4):
-            assert started.acquire(timeout=120)
-        pid = ray.get(controller.stats.remote(), timeout=30)["workers"][kill_worker]["pid"]
+        await asyncio.wait_for(started.wait(), 120)
+        pid = (await controller.stats.remote())["workers"][kill_worker]["pid"]
         os.kill(pid, signal.SIGKILL)
-    for thread in threads:
-        thread.join(timeout=300)
-    assert all(r is not None for r in results)
-    return results  # type: ignore[return-value]
+    return list(await asyncio.wait_for(asyncio.gather(*tasks), 300))
 
 
-def test_worker_sigkill_mid_stream_loses_nothing_and_changes_nothing(controller):
-    import ray
-
-    reference = _run_all(controller, "ref")
+async def run_scenario(controller) -> None:
+    client = RayControllerClient(controller)
+    reference = await _run_all(controller, client, "ref")
     assert all(f == "length" and e is None and len(t) == PARAMS.max_tokens
                for t, f, e in reference)
-    cached_before, _, _ = _stream(controller, CACHED_PROMPT, "cached-0")
-    assert _stream(controller, CACHED_PROMPT, "cached-1")[0] == cached_before  # a hit
+    cached_before, _, _ = await _stream(client, CACHED_PROMPT, "cached-0")
+    assert (await _stream(client, CACHED_PROMPT, "cached-1"))[0] == cached_before  # a hit
 
     pids = set()
     for kill in range(3):  # the service recovers every time, not only the first
         worker = kill % 2
-        before = ray.get(controller.stats.remote(), timeout=30)["workers"][worker]
+        before = (await controller.stats.remote())["workers"][worker]
         pids.add(before["pid"])
-        disturbed = _run_all(controller, f"kill{kill}", kill_worker=worker)
+        disturbed = await _run_all(controller, client, f"kill{kill}", kill_worker=worker)
         for j, ((tokens, finish, error), (ref_tokens, _, _)) in enumerate(
                 zip(disturbed, reference, strict=True)):
             assert error is None and finish == "length", (kill, j, error)
             assert tokens == ref_tokens, (kill, j)
         # A request after the crash whose prefix was cached before it: same tokens.
-        again, _, error = _stream(controller, CACHED_PROMPT, f"cached-after-{kill}")
+        again, _, error = await _stream(client, CACHED_PROMPT, f"cached-after-{kill}")
         assert error is None and again == cached_before
-        assert ray.get(controller.wait_workers_up.remote(120), timeout=150)["ok"]
-        stats = ray.get(controller.stats.remote(), timeout=30)
+        assert (await controller.wait_workers_up.remote(120))["ok"]
+        stats = await controller.stats.remote()
         assert stats["workers"][worker]["num_failures"] == before["num_failures"] + 1
         assert stats["workers"][worker]["pid"] not in pids
 
-    health = ray.get(controller.ping.remote(), timeout=60)
+    health = await controller.ping.remote()
     assert health["ok"] and health["num_workers_up"] == 2
-    report = ray.get(controller.check_integrity.remote(), timeout=60)
+    report = await asyncio.wait_for(controller.check_integrity.remote(), 60)
     assert all(w["checked"] for w in report["workers"])
+
+
+def test_worker_sigkill_mid_stream_loses_nothing_and_changes_nothing(controller):
+    asyncio.run(asyncio.wait_for(run_scenario(controller), 900))

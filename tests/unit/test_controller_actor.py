@@ -1,25 +1,29 @@
 """The controller actor's logic without Ray: per-worker step loops over fake worker handles.
 
 A fake handle's `execute.remote(plan)` returns a coroutine, which is what awaiting a Ray
-ObjectRef amounts to inside the actor. Shows: a slow worker does not stall the other one,
-streams carry every token, abort and a dropped consumer free blocks, a failing worker fails
-only its own requests, and the loops park (no polling) when idle.
+ObjectRef amounts to inside the actor. The edge's own `RayControllerClient` talks to the actor
+through `LocalHandle`, which runs its methods in this event loop the way Ray would run them
+remotely. Shows: a slow worker does not stall the other one, deltas carry every token, abort
+and a dropped subscriber free blocks, a failing worker fails only its own requests, and the
+loops park (no polling) when idle.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
 
+from cluster.controller_client import RayControllerClient, run_request
 from controller.actor import ControllerActor
-from controller.messages import SamplingParams, StepPlan, StepResult
+from controller.core import NoWorkerUpError
+from controller.messages import Ack, Delta, FinishReason, SamplingParams, StepPlan, StepResult
 from controller.options import ControllerOptions, WorkerConfig
 from controller.request import RequestOutput
 from controller.scheduler import SchedulerConfig
-from controller.streams import merge_deltas
 from controller.worker_loop import RecoveryConfig
 from tests.unit.fake_runner import FakeRunner
 from workers.actor import WorkerInfo, WorkerRestartedError
@@ -93,7 +97,8 @@ def make_info(incarnation: str) -> WorkerInfo:
     return WorkerInfo(32, 4, VOCAB, (), 1024, "/nowhere", "cpu", 0, 1, incarnation)
 
 
-def make_actor(num_workers: int = 2) -> tuple[ControllerActor, list[FakeWorkerHandle]]:
+def make_actor(num_workers: int = 2, deadline_s: float = 5.0
+               ) -> tuple[ControllerActor, list[FakeWorkerHandle]]:
     """A controller whose injected factory starts fake workers (32 blocks of 4 tokens)."""
     handles = [FakeWorkerHandle(FakeRunner(vocab_size=VOCAB, block_size=4))
                for _ in range(num_workers)]
@@ -105,40 +110,65 @@ def make_actor(num_workers: int = 2) -> tuple[ControllerActor, list[FakeWorkerHa
     options = ControllerOptions(
         worker=WorkerConfig(num_workers=num_workers),
         scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8),
-        recovery=RecoveryConfig(step_deadline_min_s=0.2, restart_backoff_s=0.001))
+        recovery=RecoveryConfig(step_deadline_min_s=deadline_s, restart_backoff_s=0.001))
     actor = ControllerActor(options, worker_factory=start_workers,
                             kill_worker=FakeWorkerHandle.kill)
     return actor, handles
 
 
-async def collect(actor: ControllerActor, prompt: list[int], request_id: str,
-                  limit: int | None = None, params: SamplingParams = PARAMS
-                  ) -> list[dict[str, Any]]:
-    deltas = []
-    gen = actor.generate(prompt, params, request_id)
-    async for delta in gen:
-        deltas.append(delta)
-        if limit is not None and len(deltas) >= limit:
-            await gen.aclose()  # the consumer goes away mid-stream
-            break
-    return deltas
+class _LocalMethod:
+    """`handle.method.remote(...)` of an actor living in this event loop: a task, as a Ray
+    call is a task on the actor; an async generator method streams already-resolved refs."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self._fn = fn
+
+    def options(self, **_: Any) -> _LocalMethod:
+        return self
+
+    def remote(self, *args: Any) -> Any:
+        if inspect.isasyncgenfunction(self._fn):
+            return self._refs(self._fn(*args))
+        return asyncio.ensure_future(self._fn(*args))
+
+    @staticmethod
+    async def _refs(items: AsyncIterator[Any]) -> AsyncIterator[Awaitable[Any]]:
+        async for item in items:
+            ref = asyncio.get_running_loop().create_future()
+            ref.set_result(item)
+            yield ref
+
+
+class LocalHandle:
+    def __init__(self, actor: ControllerActor) -> None:
+        self._actor = actor
+
+    def __getattr__(self, name: str) -> _LocalMethod:
+        return _LocalMethod(getattr(self._actor, name))
+
+
+async def collect(client: RayControllerClient, prompt: list[int], request_id: str,
+                  params: SamplingParams = PARAMS) -> tuple[Ack, Delta]:
+    return await run_request(client, prompt, params, request_id)
 
 
 def run(coro: Awaitable[Any]) -> Any:
     return asyncio.run(asyncio.wait_for(coro, 10))
 
 
-def test_streams_carry_every_token_and_pools_end_free() -> None:
+def test_deltas_carry_every_token_and_pools_end_free() -> None:
     async def main() -> None:
         actor, _ = make_actor()
-        results = await asyncio.gather(*(collect(actor, [1 + i, 2, 3], f"r{i}")
+        client = RayControllerClient(LocalHandle(actor))
+        results = await asyncio.gather(*(collect(client, [1 + i, 2, 3], f"r{i}")
                                          for i in range(6)))
-        for deltas in results:
-            assert deltas[0]["token_ids"] == [] and deltas[0]["finish_reason"] is None
-            assert sum(len(d["token_ids"]) for d in deltas) == PARAMS.max_tokens
-            assert deltas[-1]["finish_reason"] == "length"
+        for i, (ack, done) in enumerate(results):
+            assert ack == Ack(f"r{i}", done.worker, 3)
+            assert len(done.token_ids) == PARAMS.max_tokens == done.num_output_tokens
+            assert done.finish_reason == FinishReason.LENGTH and done.error is None
         stats = await actor.stats()
         assert [w["num_routed"] for w in stats["workers"]] == [3, 3]
+        assert stats["num_streams"] == 0 and client._queues == {}
         report = await actor.check_integrity()
         assert all(w["checked"] for w in report["workers"])
         assert all(w["parked"] for w in (await actor.stats())["workers"])
@@ -149,36 +179,45 @@ def test_streams_carry_every_token_and_pools_end_free() -> None:
 def test_slow_worker_does_not_stall_the_other() -> None:
     async def main() -> None:
         actor, handles = make_actor()
+        client = RayControllerClient(LocalHandle(actor))
         handles[0].gate.clear()  # worker 0 hangs inside its step
-        first = asyncio.create_task(collect(actor, [1, 2, 3], "slow"))
-        await asyncio.sleep(0)
-        fast = await collect(actor, [4, 5, 6], "fast")  # routed to the idle worker 1
-        assert fast[-1]["finish_reason"] == "length" and fast[-1]["worker"] == 1
+        first = asyncio.create_task(collect(client, [1, 2, 3], "slow"))
+        await handles[0].entered.wait()
+        ack, fast = await collect(client, [4, 5, 6], "fast")  # routed to the idle worker 1
+        assert ack.worker == fast.worker == 1 and fast.finish_reason == FinishReason.LENGTH
         assert not first.done() and handles[0].num_steps == 0
         handles[0].gate.set()
-        assert (await first)[-1]["finish_reason"] == "length"
+        assert (await first)[1].finish_reason == FinishReason.LENGTH
 
     run(main())
 
 
-def test_abort_and_dropped_consumer_free_blocks() -> None:
+def test_abort_and_dropped_subscriber_free_blocks() -> None:
     async def main() -> None:
         actor, handles = make_actor(1)
+        client = RayControllerClient(LocalHandle(actor))
         handles[0].gate.clear()
-        gen = actor.generate([1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True), "a")
-        assert (await anext(gen))["worker"] == 0
+        long = SamplingParams(max_tokens=50, ignore_eos=True)
+        ack, deltas = await client.submit([1, 2, 3], long, "a", 0, "t")
+        assert ack.worker == 0
         await handles[0].entered.wait()
         assert await actor.abort("a")  # while its first step runs on the worker
         handles[0].gate.set()
-        delta = await anext(gen)
-        assert delta["finish_reason"] == "abort"
+        delta = await anext(deltas)
+        assert delta.finish_reason == FinishReason.ABORT and delta.token_ids == []
         assert not await actor.abort("a")  # already finished
-        long = SamplingParams(max_tokens=50, ignore_eos=True)
-        dropped = await collect(actor, [7, 8, 9], "b", limit=2, params=long)
-        assert len(dropped) == 2 and dropped[-1]["finish_reason"] is None
+        # A second edge process whose subscription breaks mid-request (it went away).
+        other = RayControllerClient(LocalHandle(actor))
+        _, dropped = await other.submit([7, 8, 9], long, "b", 0, "t")
+        assert (await anext(dropped)).finish_reason is None
+        assert other._pump_task is not None
+        other._pump_task.cancel()
+        last = await anext(dropped)  # the client fails its open requests
+        assert last.finish_reason == FinishReason.ABORT and "stream ended" in last.error
         assert (await actor.check_integrity())["workers"][0]["checked"]
         stats = await actor.stats()
         assert stats["num_aborted"] == 2 and stats["num_unfinished"] == 0
+        assert stats["num_subscribers"] == 1  # the first client's subscription stays
         assert stats["workers"][0]["num_cache_evict"] == 2  # consumed before parking
 
     run(main())
@@ -187,18 +226,19 @@ def test_abort_and_dropped_consumer_free_blocks() -> None:
 def test_failing_worker_moves_its_requests_to_the_other_one() -> None:
     async def main() -> None:
         actor, handles = make_actor()
+        client = RayControllerClient(LocalHandle(actor))
         handles[0].fail_next = True
-        moved, other = await asyncio.gather(collect(actor, [1, 2, 3], "x"),
-                                            collect(actor, [4, 5, 6], "y"))
-        for deltas in (moved, other):  # no error, every token, no duplicate
-            assert deltas[-1]["finish_reason"] == "length" and deltas[-1]["error"] is None
-            assert sum(len(d["token_ids"]) for d in deltas) == PARAMS.max_tokens
+        results = await asyncio.gather(collect(client, [1, 2, 3], "x"),
+                                       collect(client, [4, 5, 6], "y"))
+        for _, done in results:  # no error, every token, no duplicate
+            assert done.finish_reason == FinishReason.LENGTH and done.error is None
+            assert len(done.token_ids) == PARAMS.max_tokens == done.num_output_tokens
         assert handles[0].num_restarts == 1  # killed, so it restarts with clean state
         stats = await actor.stats()
         assert [w["num_failures"] for w in stats["workers"]] == [1, 0]
         assert all(w["is_up"] for w in stats["workers"])
-        again = await collect(actor, [1, 2, 3], "z")  # the loop survived the failure
-        assert again[-1]["finish_reason"] == "length"
+        _, again = await collect(client, [1, 2, 3], "z")  # the loop survived the failure
+        assert again.finish_reason == FinishReason.LENGTH
         assert all(w["checked"] for w in (await actor.check_integrity())["workers"])
         actor.core.check_integrity()
 
@@ -207,13 +247,14 @@ def test_failing_worker_moves_its_requests_to_the_other_one() -> None:
 
 def test_hung_worker_is_killed_and_its_requests_finish_on_the_other() -> None:
     async def main() -> None:
-        actor, handles = make_actor()
-        await collect(actor, [9, 9, 9], "warm")  # both loops started
+        actor, handles = make_actor(deadline_s=0.2)
+        client = RayControllerClient(LocalHandle(actor))
+        await collect(client, [9, 9, 9], "warm")  # both loops started
         target = actor.core._next_tie  # an idle cluster rotates: the next request's worker
         handles[target].hung = True
-        hung = await collect(actor, [1, 2, 3], "hung")
-        assert hung[0]["worker"] == target and hung[-1]["error"] is None
-        assert sum(len(d["token_ids"]) for d in hung) == PARAMS.max_tokens
+        ack, done = await collect(client, [1, 2, 3], "hung")
+        assert ack.worker == target and done.error is None
+        assert len(done.token_ids) == PARAMS.max_tokens
         assert "hung" in handles[1 - target].runner.request_to_num_chunks  # moved there
         assert handles[target].num_restarts == 1
         stats = await actor.stats()
@@ -226,48 +267,52 @@ def test_hung_worker_is_killed_and_its_requests_finish_on_the_other() -> None:
 def test_requests_wait_for_the_only_worker_and_health_says_so() -> None:
     async def main() -> None:
         actor, handles = make_actor(num_workers=1)
-        await collect(actor, [9, 9, 9], "warm")
+        client = RayControllerClient(LocalHandle(actor))
+        await collect(client, [9, 9, 9], "warm")
         assert (await actor.ping())["ok"]
         handles[0].fail_next = True
-        deltas = await collect(actor, [1, 2, 3], "a")  # re-queued here, runs once back
-        assert deltas[-1]["finish_reason"] == "length" and deltas[-1]["error"] is None
-        assert sum(len(d["token_ids"]) for d in deltas) == PARAMS.max_tokens
+        _, done = await collect(client, [1, 2, 3], "a")  # re-queued here, runs once back
+        assert done.finish_reason == FinishReason.LENGTH and done.error is None
+        assert len(done.token_ids) == PARAMS.max_tokens
         assert (await actor.ping())["num_workers_up"] == 1
 
     run(main())
 
 
 def test_no_worker_up_refuses_new_requests() -> None:
-    from controller.core import NoWorkerUpError
-
     async def main() -> None:
         actor, _ = make_actor(num_workers=1)
-        await collect(actor, [9, 9, 9], "warm")
+        client = RayControllerClient(LocalHandle(actor))
+        await collect(client, [9, 9, 9], "warm")
         actor.core.workers[0].is_up = False  # as between a failure and the restart
         with pytest.raises(NoWorkerUpError):
-            await anext(actor.generate([1, 2], PARAMS))
+            await client.submit([1, 2], PARAMS, "refused", 0, "t")
         assert not (await actor.ping())["ok"]
 
     run(main())
 
 
-def test_unrunnable_requests_are_refused_before_the_first_item() -> None:
+def test_unrunnable_requests_are_refused_by_submit() -> None:
     async def main() -> None:
         actor, _ = make_actor()
-        for prompt in ([], [VOCAB]):
+        client = RayControllerClient(LocalHandle(actor))
+        for i, prompt in enumerate(([], [VOCAB])):
             with pytest.raises(ValueError):
-                await anext(actor.generate(prompt, PARAMS))
+                await client.submit(prompt, PARAMS, f"bad{i}", 0, "t")
         with pytest.raises(ValueError):  # more tokens than a whole pool holds
-            await anext(actor.generate([1], SamplingParams(max_tokens=500)))
+            await client.submit([1], SamplingParams(max_tokens=500), "big", 0, "t")
+        assert client._queues == {} and (await actor.stats())["num_unfinished"] == 0
 
     run(main())
 
 
-def test_merge_deltas_joins_tokens_and_keeps_the_last_state() -> None:
-    items = [RequestOutput("r", [1], None, 3, 1), RequestOutput("r", [2, 3], "stop", 3, 3)]
-    merged = merge_deltas(items, worker=1)
-    assert merged["token_ids"] == [1, 2, 3] and merged["finish_reason"] == "stop"
-    assert merged["num_output_tokens"] == 3 and merged["worker"] == 1
+def test_merge_joins_tokens_keeps_the_last_state_and_the_first_error() -> None:
+    outputs = [RequestOutput("r", [1], None, 3, 1),
+               RequestOutput("r", [], None, 3, 1, error="slow chunk"),
+               RequestOutput("r", [2, 3], FinishReason.STOP, 3, 3)]
+    merged = Delta.merge([Delta.from_output(out, worker=1) for out in outputs])
+    assert merged == Delta("r", 1, [1, 2, 3], FinishReason.STOP, 3, 3, 0, "slow chunk")
+    assert merged.is_finished and merged.finish_reason == "stop"  # as OpenAI spells it
 
 
 def test_subscriber_gets_all_its_requests_in_batches_and_aborts_on_leaving() -> None:
@@ -275,7 +320,7 @@ def test_subscriber_gets_all_its_requests_in_batches_and_aborts_on_leaving() -> 
         actor, _ = make_actor()
         acks = [await actor.submit([1 + i, 2, 3], PARAMS, f"s{i}", 0, "t", "sub")
                 for i in range(4)]
-        assert sorted(a["worker"] for a in acks) == [0, 0, 1, 1]
+        assert sorted(a.worker for a in acks) == [0, 0, 1, 1]
         tokens: dict[str, list[int]] = {f"s{i}": [] for i in range(4)}
         finished: set[str] = set()
         batches = 0
@@ -283,9 +328,9 @@ def test_subscriber_gets_all_its_requests_in_batches_and_aborts_on_leaving() -> 
         async for batch in sub:
             batches += 1
             for delta in batch:
-                tokens[delta["request_id"]] += delta["token_ids"]
-                if delta["finish_reason"] is not None:
-                    finished.add(delta["request_id"])
+                tokens[delta.request_id] += delta.token_ids
+                if delta.is_finished:
+                    finished.add(delta.request_id)
             if len(finished) == 4:
                 break
         assert all(len(t) == PARAMS.max_tokens for t in tokens.values())
@@ -307,19 +352,20 @@ def test_restarted_worker_never_serves_a_prefix_cached_before_it_died() -> None:
     else a greedy request whose prefix was cached gets wrong tokens with no error."""
     async def main() -> None:
         actor, handles = make_actor(num_workers=1)
+        client = RayControllerClient(LocalHandle(actor))
         prompt = list(range(1, 14))  # 3 full blocks of 4, cached after the first run
-        await collect(actor, prompt, "before")
-        await collect(actor, prompt, "hit")
+        await collect(client, prompt, "before")
+        await collect(client, prompt, "hit")
         assert handles[0].seen_computed == [0, 12]  # the prefix cache serves 3 blocks
         handles[0].restart()
         # The first step after the restart is refused (it was planned for the old process);
         # the request is re-queued and recomputed once the new process answers.
-        during = await collect(actor, prompt, "during")
-        assert during[-1]["finish_reason"] == "length" and during[-1]["error"] is None
+        _, during = await collect(client, prompt, "during")
+        assert during.finish_reason == FinishReason.LENGTH and during.error is None
         assert handles[0].num_refused == 1
         assert handles[0].seen_computed[-1] == 0  # computed anew, not read from dead KV
-        after = await collect(actor, prompt, "after")
-        assert after[-1]["finish_reason"] == "length"
+        _, after = await collect(client, prompt, "after")
+        assert after.finish_reason == FinishReason.LENGTH
         assert actor.core.scheduler(0).kv.pool.stats().num_used == 0
         actor.core.check_integrity()
         assert (await actor.stats())["workers"][0]["incarnation"] == "fake-2"

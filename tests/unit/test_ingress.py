@@ -20,7 +20,7 @@ from cluster.config import TokenflowConfig
 from cluster.frontend import CHAT, COMPLETIONS
 from cluster.ingress import OpenAIServer, sse_events
 from controller.core import QueueFullError
-from controller.messages import SamplingParams
+from controller.messages import Ack, Delta, FinishReason, SamplingParams
 from workers.presets import resolve_model
 
 
@@ -42,24 +42,26 @@ class FakeClient:
     async def ping(self) -> dict[str, Any]:
         return {"ok": True, "dead_loops": []}
 
-    async def stream(self, prompt_token_ids: list[int], params: SamplingParams,
+    async def submit(self, prompt_token_ids: list[int], params: SamplingParams,
                      request_id: str, priority: int, tenant: str
-                     ) -> AsyncIterator[dict[str, Any]]:
+                     ) -> tuple[Ack, AsyncIterator[Delta]]:
         if self.refuse is not None:
             raise self.refuse
         self.started.append(request_id)
-        base = {"request_id": request_id, "worker": 0, "num_prompt_tokens":
-                len(prompt_token_ids), "num_cached_tokens": 0, "error": None}
-        yield {**base, "token_ids": [], "finish_reason": None, "num_output_tokens": 0}
+        return Ack(request_id, 0, len(prompt_token_ids)), self._deltas(
+            request_id, len(prompt_token_ids), params)
+
+    async def _deltas(self, request_id: str, num_prompt_tokens: int,
+                      params: SamplingParams) -> AsyncIterator[Delta]:
         if self.error is not None:
-            yield {**base, "token_ids": [], "finish_reason": "abort", "error": self.error,
-                   "num_output_tokens": 0}
+            yield Delta(request_id, 0, [], FinishReason.ABORT, num_prompt_tokens,
+                        error=self.error)
             return
         tokens = self.tokens[:params.max_tokens]
         for i, token in enumerate(tokens):
             last = i == len(tokens) - 1
-            yield {**base, "token_ids": [token], "finish_reason": "length" if last else None,
-                   "num_output_tokens": i + 1}
+            yield Delta(request_id, 0, [token], FinishReason.LENGTH if last else None,
+                        num_prompt_tokens, i + 1)
 
     def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
@@ -161,8 +163,8 @@ def test_consumer_leaving_mid_stream_aborts() -> None:
         server = OpenAIServer(TokenflowConfig(), fake)
         frontend = await server.frontend()
         prepared = frontend.prepare(COMPLETIONS, {**BODY, "max_tokens": 13, "stream": True})
-        deltas = fake.stream(prepared.prompt_token_ids, prepared.params, "cmpl-x", 0, "t")
-        await anext(deltas)
+        _, deltas = await fake.submit(prepared.prompt_token_ids, prepared.params, "cmpl-x", 0,
+                                      "t")
         events = sse_events(frontend, prepared, "cmpl-x", deltas, fake.abort)
         await anext(events)
         await events.aclose()  # what Starlette does when the client disconnects

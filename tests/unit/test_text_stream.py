@@ -1,0 +1,68 @@
+"""`TextStream.advance`: the one place a stop string ends a request, for the HTTP edge (both
+answer shapes) and the batch runners. The builtin tiny tokenizer maps byte b to id 3 + b."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.frontend import TextStream, openai_finish_reason
+from controller.messages import FinishReason
+from workers.presets import resolve_model
+from workers.tokenizer import Tokenizer
+
+
+def ids(text: str) -> list[int]:
+    return [3 + b for b in text.encode()]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer(resolve_model("builtin:tiny"))
+
+
+def feed(stream: TextStream, deltas: list[tuple[str, FinishReason | None]]
+         ) -> tuple[list[str], FinishReason | None, int]:
+    """Feed deltas until one finishes: (text pieces, finish reason, abort calls)."""
+    aborts: list[None] = []
+    pieces: list[str] = []
+    reason = None
+    for text, finish_reason in deltas:
+        piece, reason = stream.advance(ids(text), finish_reason, lambda: aborts.append(None))
+        pieces.append(piece)
+        if reason is not None:
+            break
+    return pieces, reason, len(aborts)
+
+
+def test_stop_string_spanning_two_deltas_aborts_once(tokenizer: Tokenizer) -> None:
+    stream = TextStream(tokenizer, ("lo w",))
+    pieces, reason, num_aborts = feed(stream, [("hel", None), ("lo wor", None),
+                                               ("ld", None), ("!", FinishReason.LENGTH)])
+    assert reason == FinishReason.STOP and num_aborts == 1
+    assert len(pieces) == 2  # the second delta ended it: later ones are never read
+    assert "".join(pieces) == stream.text == "hel"
+    assert stream.token_ids == ids("hello wor")
+
+
+def test_stop_string_at_the_very_first_token(tokenizer: Tokenizer) -> None:
+    stream = TextStream(tokenizer, ("h",))
+    pieces, reason, num_aborts = feed(stream, [("hi", None), ("there", None)])
+    assert (pieces, reason, num_aborts) == ([""], FinishReason.STOP, 1)
+    assert stream.text == ""
+
+
+def test_no_stop_string_passes_the_controllers_reason_and_flushes(tokenizer: Tokenizer
+                                                                 ) -> None:
+    stream = TextStream(tokenizer, ("xyz",))
+    # "xy" could start the stop string: held back until the request ends, then flushed.
+    pieces, reason, num_aborts = feed(stream, [("abc x", None), ("y", FinishReason.LENGTH)])
+    assert reason == FinishReason.LENGTH and num_aborts == 0
+    assert pieces[0] == "abc " and "".join(pieces) == stream.text == "abc xy"
+
+
+def test_finished_in_the_same_delta_as_the_stop_string_is_not_aborted(tokenizer: Tokenizer
+                                                                     ) -> None:
+    stream = TextStream(tokenizer, ("end",))
+    pieces, reason, num_aborts = feed(stream, [("the end", FinishReason.LENGTH)])
+    assert (pieces, reason, num_aborts) == (["the "], FinishReason.LENGTH, 0)
+    assert openai_finish_reason(stream, reason) == FinishReason.STOP
