@@ -9,6 +9,8 @@ lives here only: events never leave the core.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -57,6 +59,12 @@ class DegradedConfig:
 
     def __post_init__(self) -> None:
         check_settings(self)
+
+
+def request_seed(request_id: str) -> int:
+    """A stable 63-bit sampling seed for a request that brought none."""
+    digest = hashlib.blake2b(request_id.encode(), digest_size=8, person=b"tf-seed").digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
 class QueueFullError(RuntimeError):
@@ -187,7 +195,13 @@ class ControllerCore:
         vocab = self.vocab_size
         if vocab is not None and any(not 0 <= t < vocab for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        request = Request(request_id or self.new_request_id(), list(prompt_token_ids), params,
+        request_id = request_id or self.new_request_id()
+        if params.seed is None:
+            # A seed of its own makes every sampled token a function of (seed, position,
+            # logits): a request recomputed on another worker after a failure, or resumed
+            # from the journal, draws exactly the tokens it drew before.
+            params = dataclasses.replace(params, seed=request_seed(request_id))
+        request = Request(request_id, list(prompt_token_ids), params,
                           eos_token_ids=self.eos_token_ids, priority=priority,
                           arrival_time=self.clock(), tenant=tenant,
                           max_model_len=self.max_model_len)

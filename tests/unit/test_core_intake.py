@@ -31,3 +31,16 @@ def test_abort_mid_prefill_leaves_no_protection_state():
     assert core.abort(request.request_id) is not None
     assert not protections._prefills
     core.check_integrity()
+
+
+def test_every_request_gets_a_sampling_seed_so_recompute_draws_the_same_tokens():
+    core = ControllerCore([PoolSpec(64, 4)], SchedulerConfig())
+    a = core.add_request([1, 2, 3], SamplingParams(temperature=1.0), request_id="a")
+    b = core.add_request([1, 2, 3], SamplingParams(temperature=1.0), request_id="b")
+    own = core.add_request([1, 2, 3], SamplingParams(temperature=1.0, seed=7), request_id="c")
+    assert a.sampling_params.seed is not None and b.sampling_params.seed is not None
+    assert a.sampling_params.seed != b.sampling_params.seed  # ids differ, so do seeds
+    assert own.sampling_params.seed == 7  # a client's seed is kept
+    again = ControllerCore([PoolSpec(64, 4)], SchedulerConfig())
+    assert again.add_request([9], SamplingParams(), request_id="a").sampling_params.seed == \
+        a.sampling_params.seed  # stable across processes: a resumed request keeps it
