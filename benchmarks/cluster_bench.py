@@ -6,7 +6,7 @@
    controller records its wall time (schedule -> execute on the actor -> apply) and the
    worker's own compute time; overhead = wall - compute, reported against compute. Only
    steps that decode exactly the N requests count; the first ones are dropped (warm-up,
-   seed 000 pitfall 9).
+   warm-up rounds are discarded).
 2. Throughput: the same workload (concurrent greedy requests, fixed prompt and output
    lengths, `ignore_eos`) through the OpenAI HTTP API of a one-worker cluster and through an
    in-process `LocalEngine`, alternated round by round (benchmarks/timing.py) so both see

@@ -8,7 +8,7 @@ chosen shape itself, then measures, each against its reference:
   cache) and vs the read bound: weight + KV bytes over the copy bandwidth measured here;
 - the mixed step: decodes plus one prefill chunk deep into a long prompt;
 - offline throughput vs transformers' static batches;
-- seed 004's scene per policy (users decoding, a long prompt lands): users' P99 gap while it
+- the long-prompt scene per policy (users decoding, a long prompt lands): users' P99 gap while it
   lives and its time to first token, tokenflow's scheduler vs prefill-first;
 - fp32 greedy equality with transformers on the same device, on a small model;
 - the controller's share of a step (schedule + apply vs the worker's execute), in-process;
@@ -423,7 +423,7 @@ def measure_offline(worker: Worker, hf: Any, cfg: GpuBenchConfig) -> dict[str, A
 
 def measure_scene(worker: Worker, cfg: GpuBenchConfig, slo_ms: float,
                   png: Path | None) -> dict[str, Any]:
-    """Seed 004's scene per policy, one after the other on the shared worker (the device is
+    """The long-prompt scene per policy, one after the other on the shared worker (the device is
     not shared with a neighbour, so interleaving buys nothing here)."""
     traces, budgets = {}, {}
     for policy, budget in cfg.scene_budgets.items():

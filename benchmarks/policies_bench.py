@@ -12,11 +12,11 @@ Same engine, same model (builtin:bench; builtin:tiny with --quick), three schedu
    BudgetTable.recommend for the SLO at the deepest calibrated depth, the long prompt's,
    with the chunk alone planned: see PLAN_DECODES); prefill-first
    with vLLM V0's default max(max_model_len, 2048) = 8192 (whole prompts; the budget only
-   caps how many share a step); prefill-priority-chunked with 2048, seed 004's online
+   caps how many share a step); prefill-priority-chunked with 2048, the usual online
    default for chunked prefill: a budget of tokenflow's size would not shorten its stall
    (decodes never share a step with prefill, they wait for every chunk) and would only
    add steps, so 2048 is the kinder setting for it.
-3. Seed 004's scene (policy_scene.py); capacity under the SLO (policy_capacity.py);
+3. The long-prompt scene (policy_scene.py); capacity under the SLO (policy_capacity.py);
    offline tokens/s against transformers' static batching (policy_offline.py).
 4. Targets and their explanations (policy_report.py), profiles (benchmarks/profiling.py).
 Writes policies.json (via benchmarks.run), policies.png and policies_budget.json (the

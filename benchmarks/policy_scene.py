@@ -1,4 +1,4 @@
-"""Seed 004's scene on one policy's engine, its numbers and its figure.
+"""The long-prompt scene (docs/architecture.md) on one policy's engine, its numbers and its figure.
 
 Users stream; once each has decoded `decode_steps_before` tokens a long prompt lands. The
 numbers: the users' inter-token gaps that overlap the long prompt's prefill (from its arrival
@@ -105,7 +105,7 @@ def plot_scene(traces: dict[str, Trace], itl_slo_ms: float, path: Path) -> None:
     right.set(xscale="log", xlabel="users' inter-token latency (ms)", ylabel="fraction <= x",
               title="ITL CDF")
     right.legend(fontsize=7, loc="lower right")
-    fig.suptitle("Seed 004's scene: users streaming, a long prompt lands")
+    fig.suptitle("The long-prompt scene: users streaming, a long prompt lands")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -1,4 +1,4 @@
-"""The policies benchmark's workloads: seed 004's scene and a Poisson/lognormal mix.
+"""The policies benchmark's workloads: the long-prompt scene and a Poisson/lognormal mix.
 
 Everything is drawn from fixed seeds, so every policy (and every trial of the capacity
 search) sees exactly the same requests. The capacity workload draws its inter-arrival gaps
@@ -23,7 +23,7 @@ def random_prompt(rng: random.Random, length: int, vocab_size: int) -> list[int]
 
 @dataclass(frozen=True)
 class SceneSpec:
-    """Seed 004: users streaming; a long prompt lands once they all decode."""
+    """The long-prompt scene: users streaming; a long prompt lands once they all decode."""
 
     num_users: int
     user_prompt: int

@@ -3,7 +3,7 @@
 Two implementations timed in separate runs see different background load, so their ratio is
 noise. `alternate` interleaves them instead: every round runs each workload once, in an order
 that rotates every round (so neither always runs right after the other's cache damage), and the
-first `warmup` rounds are discarded (seed 000, pitfall 9). Ratios of means over the same rounds
+first `warmup` rounds are discarded. Ratios of means over the same rounds
 then share the noise; the per-round ratio spread says how much noise was left.
 """
 
@@ -36,7 +36,7 @@ def alternate(workloads: dict[str, Workload], warmup: int, iters: int) -> dict[s
 
 
 def summary(samples: list[float]) -> dict[str, float]:
-    """Mean (the headline, as seed 000 prescribes), plus median, min and spread."""
+    """Mean (the headline, the project's headline statistic), plus median, min and spread."""
     return {
         "mean": statistics.fmean(samples),
         "median": statistics.median(samples),

@@ -1,4 +1,4 @@
-"""The token budget from measured step costs (DESIGN.md "Token budget", seed 000 §3).
+"""The token budget from measured step costs (README, "Token budgets from the hardware").
 
 Cost model, fitted by least squares on calibration runs (workers/calibrate.py):
 

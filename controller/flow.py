@@ -1,4 +1,4 @@
-"""Per-worker flow-control modes (seed 000 §4, DESIGN.md "Flow control"). Torch-free.
+"""Per-worker flow-control modes (docs/architecture.md, "Flow control"). Torch-free.
 
 Two independent conditions, each with its own hysteresis:
 - cache pressure: entered when KV usage > `cache_enter`; left only by a `cache_evict`

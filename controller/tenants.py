@@ -1,4 +1,4 @@
-"""Tenant shares of a step's prefill budget (seed 000, pitfall 5). Torch-free.
+"""Tenant shares of a step's prefill budget. Torch-free.
 
 Each tenant with prefill work this step gets `budget x weight / sum(weights of tenants
 with work)`, `{tenant: {used, max}}` in the seed's words. A share a tenant cannot use is

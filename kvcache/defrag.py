@@ -4,7 +4,7 @@ A paged pool never fails an allocation because free blocks are scattered, but sc
 used blocks cost on the device side: a request's KV spread over the whole tensor reads
 worse than a compact one, and the pool cannot be shrunk. Fragmentation here is the
 fraction of used blocks that lie outside the compact region `[0, num_used)`; past
-`threshold` (seed 000: 30 %) the controller plans moves `src -> dst` of used blocks from
+`threshold` (default 30 %) the controller plans moves `src -> dst` of used blocks from
 the top into free slots at the bottom. The worker copies the KV rows and remaps its
 block tables with the same map; the controller remaps its own tables here.
 """

@@ -1,4 +1,4 @@
-"""Calibration micro-benchmarks on a worker's device (seed 000 §3, DESIGN.md "Token budget").
+"""Calibration micro-benchmarks on a worker's device (README, "Token budgets from the hardware").
 
 A real `Worker` runs hand-built `StepPlan`s (controller/messages.py), so the numbers are the
 step times the controller will see:
@@ -14,7 +14,7 @@ step times the controller will see:
   an allocation probe (halving on failure), the int64 slot-index limit of the block-wise
   layout and the int32 limit a contiguous per-request layout would hit.
 Timing runs in interleaved rounds (every round runs every point once, `sweep`): the first
-`warmup` rounds are discarded (seed 000 pitfall 9), the mean (and median, std) of the next
+`warmup` rounds are discarded (a cold run measures caches and clocks, not the step), the mean (and median, std) of the next
 `iters` kept. The point's first run (its admission) is never timed.
 """
 

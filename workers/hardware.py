@@ -2,7 +2,7 @@
 
 Both are *measured*, never taken from a spec sheet: the token-budget calibrator and the
 benchmarks compare step costs against what this machine actually sustains (with its thread
-count, its other tenants, its turbo state). Warm-up follows seed 000 (pitfall 9): the first
+count, its other tenants, its turbo state). Warm-up: the first
 `warmup` runs are discarded (page faults, thread-pool start, clock ramp), the result is the mean
 of the next `iters` runs. On CPU smaller counts are fine; the defaults suit a GPU.
 
