@@ -59,7 +59,10 @@ class OpenAIServer:
         if self._frontend is None:
             async with self._lock:
                 if self._frontend is None:
-                    info = await self.client.model_info()
+                    # Bounded: while the workers start (or wait for resources) a request
+                    # gets 503 with Retry-After, never a hang.
+                    info = await asyncio.wait_for(self.client.model_info(),
+                                                  self.config.cluster.ready_wait_s)
                     path = Path(info["model_path"])
                     if not path.is_dir():  # another node's preset folder: build ours
                         from workers.presets import resolve_model
@@ -115,15 +118,22 @@ class OpenAIServer:
         return JSONResponse(p.models_response(frontend.served_names, int(time.time())))
 
     async def health(self) -> Response:
+        """200 only when the controller answers and at least one worker is up; the body has
+        each worker's state, or what the service is waiting for."""
         try:
-            status = await self.client.ping()
+            status = await asyncio.wait_for(self.client.ping(), self.config.cluster.ready_wait_s)
         except Exception as err:
             return self.unavailable(err)
-        return JSONResponse({"status": "ok" if status["ok"] else "degraded", **status},
-                            status_code=200 if status["ok"] else 503)
+        headers = None if status["ok"] else {
+            "Retry-After": str(self.config.cluster.retry_after_s)}
+        return JSONResponse(status, status_code=200 if status["ok"] else 503, headers=headers)
 
     def unavailable(self, err: Exception) -> JSONResponse:
-        message = f"the controller is unavailable: {type(err).__name__}: {err}"
+        if isinstance(err, TimeoutError):
+            message = (f"the service is not ready (no answer within "
+                       f"{self.config.cluster.ready_wait_s:g}s): see /health")
+        else:
+            message = f"the controller is unavailable: {type(err).__name__}: {err}"
         return error_response(p.ProtocolError(503, message[:500], code="unavailable"),
                               {"Retry-After": str(self.config.cluster.retry_after_s)})
 

@@ -4,7 +4,10 @@ Starts a local Ray on 127.0.0.1, the controller (which starts one worker per GPU
 `TOKENFLOW_WORKER__NUM_WORKERS` CPU workers), and the Serve ingress on 127.0.0.1:PORT; prints the
 URL and serves until Ctrl-C. The controller is created here, before the Serve app, so this
 process owns it (it lives exactly as long as the server) and a broken model fails at once
-instead of on the first request.
+instead of on the first request. It then watches the service: restarts of workers and of
+the controller are pauses, but when the service has not been healthy for
+`cluster.give_up_after_s` (or the controller is gone for good) it exits non-zero, so that a
+supervisor (systemd, Kubernetes) restarts it. SIGTERM and Ctrl-C shut Serve and Ray down.
 """
 
 from __future__ import annotations
@@ -14,10 +17,15 @@ import math
 import os
 import signal
 import sys
-import threading
+import time
+from collections.abc import Callable
 from types import FrameType
+from typing import Any
 
 from cluster.config import TokenflowConfig, nest
+
+# How often `make serve` asks the service whether it is healthy.
+_WATCH_INTERVAL_S = 2.0
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -50,6 +58,44 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
+class Unrecoverable(RuntimeError):
+    """The controller is gone for good (Ray will not restart it)."""
+
+
+def watch_health(ping: Callable[[], bool], give_up_after_s: float, interval_s: float,
+                 clock: Callable[[], float] = time.monotonic,
+                 wait: Callable[[float], object] = time.sleep) -> str:
+    """Ping the service every `interval_s`; return why it cannot recover once it has not
+    been healthy for `give_up_after_s`, or at once when `ping` raises `Unrecoverable`.
+    A restart in progress (a worker, the controller) is a pause, not a failure."""
+    unhealthy_since: float | None = None
+    while True:
+        try:
+            ok = ping()
+        except Unrecoverable as err:
+            return str(err)
+        now = clock()
+        if ok:
+            unhealthy_since = None
+        elif unhealthy_since is None:
+            unhealthy_since = now
+        elif now - unhealthy_since >= give_up_after_s:
+            return f"not healthy for {now - unhealthy_since:.0f}s"
+        wait(interval_s)
+
+
+def _ping(controller: Any, timeout_s: float) -> bool:
+    import ray
+    from ray.exceptions import ActorDiedError
+
+    try:
+        return bool(ray.get(controller.ping.remote(), timeout=timeout_s)["ok"])
+    except ActorDiedError as err:
+        raise Unrecoverable(f"the controller died and will not be restarted: {err}") from None
+    except Exception:  # restarting, or too slow to answer: unhealthy for now
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     import ray
     from ray import serve
@@ -58,14 +104,15 @@ def main(argv: list[str] | None = None) -> int:
     from controller.actor import get_or_create_controller
 
     config = config_from_args(parse_args(argv))
-    # Explicit handlers: a shell starts background jobs with SIGINT ignored, and SIGTERM
-    # (docker stop, systemd) should shut Serve and Ray down as cleanly as Ctrl-C.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, _interrupt)
     # address="local": never join (or be confused by) another cluster; the default Redis
     # port 6379 may be taken on this machine, ray.init picks free ports itself.
     ray.init(address="local", num_cpus=ray_num_cpus(config), _node_ip_address="127.0.0.1",
              include_dashboard=False, namespace=config.cluster.namespace)
+    # Explicit handlers, installed after ray.init (whose own SIGTERM handler would abort
+    # the process): a shell starts background jobs with SIGINT ignored, and SIGTERM
+    # (docker stop, systemd) should shut Serve and Ray down as cleanly as Ctrl-C.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupt)
     try:
         controller = get_or_create_controller(config.controller_options())
         info = ray.get(controller.model_info.remote())
@@ -75,13 +122,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tokenflow serving {config.worker.model_name} with {info['num_workers']} worker(s) "
               f"on {', '.join(info['devices'])}", flush=True)
         print(f"OpenAI API at {url}/v1  (health: {url}/health)  Ctrl-C stops", flush=True)
-        threading.Event().wait()
+        cluster = config.cluster
+        reason = watch_health(lambda: _ping(controller, cluster.ready_wait_s),
+                              cluster.give_up_after_s, _WATCH_INTERVAL_S)
+        print(f"tokenflow cannot recover ({reason}); exiting so a supervisor restarts it",
+              file=sys.stderr, flush=True)
+        return 1
     except KeyboardInterrupt:
         print("stopping", file=sys.stderr)
+        return 0
     finally:
         serve.shutdown()
         ray.shutdown()
-    return 0
 
 
 if __name__ == "__main__":

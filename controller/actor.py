@@ -18,6 +18,7 @@ controller has no static dependency on torch code; tests inject a `worker_factor
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import importlib
 import inspect
@@ -54,6 +55,22 @@ def start_worker_actors(opts: ControllerOptions) -> list[Any]:
         for _ in range(num_workers)]
 
 
+# While workers start, how often the controller says what it is waiting for.
+_STARTUP_LOG_EVERY_S = 10.0
+
+
+def _pending_resources(opts: ControllerOptions, num_workers: int) -> str:
+    """What the unstarted worker actors wait for, in words an operator can act on."""
+    use_gpu = opts.worker.device != "cpu" and ray.cluster_resources().get("GPU", 0) >= 1
+    need = {"GPU": 1.0} if use_gpu else {"CPU": opts.cluster.worker_num_cpus}
+    available = ray.available_resources()
+    have = {k: round(available.get(k, 0.0), 3) for k in need}
+    if all(have[k] >= need[k] for k in need):
+        return f"{num_workers} worker actor(s) loading the model"
+    return (f"{num_workers} worker actor(s) wait for resources: each needs {need}, the "
+            f"cluster has {have} available (`ray status` shows the pending demand)")
+
+
 def _kill_actor(handle: Any) -> None:
     """Kill a failed or hung worker actor; Ray restarts it (max_restarts permitting)."""
     try:
@@ -82,6 +99,8 @@ class ControllerActor:
         self._subscriber_of: dict[str, Subscriber] = {}  # request id -> its subscriber
         self.num_aborted = 0  # requests that were still unfinished when aborted
         self._start_task: asyncio.Task[None] | None = None
+        self.waiting_for: str | None = None  # why startup has not finished, once it is slow
+        self._num_starting = 0  # worker actors created, not yet answering
 
     # -- startup ------------------------------------------------------------------------
     async def _started(self) -> ControllerCore:
@@ -102,8 +121,17 @@ class ControllerActor:
         handles = self.worker_factory(opts)
         if inspect.isawaitable(handles):
             handles = await handles
+        self._num_starting = len(handles)
         wcfg, cache = opts.worker, opts.cache
-        infos = await asyncio.gather(*(h.info.remote() for h in handles))
+        infos_task = asyncio.gather(*(h.info.remote() for h in handles))
+        while True:  # a worker actor that waits for resources must not wait in silence
+            done, _ = await asyncio.wait({infos_task}, timeout=_STARTUP_LOG_EVERY_S)
+            if done:
+                break
+            self.waiting_for = _pending_resources(opts, len(handles))
+            logger.warning("controller still starting: %s", self.waiting_for)
+        infos = infos_task.result()
+        self.waiting_for = None
         self.vocab_size = infos[0].vocab_size
         self.max_model_len = min([wcfg.max_model_len, *(i.max_model_len for i in infos)])
         self.core = ControllerCore(
@@ -226,13 +254,34 @@ class ControllerActor:
         return {"workers": report}
 
     async def ping(self) -> dict[str, Any]:
-        """Ready to serve: every step loop alive and at least one worker up."""
-        core = await self._started()
+        """Ready to serve: every step loop alive and at least one worker up. Answers at
+        once, also while the workers are still starting (then with what they wait for)."""
+        if self.core is None:
+            task = self._start_task
+            if task is None or task.done():
+                with contextlib.suppress(Exception):  # a failed start is reported below
+                    await asyncio.wait_for(asyncio.shield(self._started()), 0.05)
+            if self.core is None:
+                failed = task is not None and task.done() and not task.cancelled() \
+                    and task.exception() is not None
+                if failed:
+                    reason = f"startup failed: {task.exception()}"
+                elif self._num_starting:
+                    reason = _pending_resources(self.options, self._num_starting)
+                else:
+                    reason = "the workers are starting"
+                return {"ok": False, "status": "starting", "reason": reason,
+                        "num_workers_up": 0, "workers": []}
+        core = self.core
         dead = [s.index for s in self.slots if s.task is None or s.task.done()]
         workers = [{"worker": s.index, "up": core.workers[s.index].is_up, "pid": s.info.pid,
-                    "num_failures": s.num_failures} for s in self.slots]
+                    "device": s.info.device, "num_failures": s.num_failures,
+                    "num_running": len(core.scheduler(s.index).running),
+                    "num_waiting": core.scheduler(s.index).num_waiting} for s in self.slots]
         num_up = sum(w["up"] for w in workers)
-        return {"ok": not dead and num_up > 0, "dead_loops": dead, "num_workers_up": num_up,
+        ok = not dead and num_up > 0
+        status = "ok" if ok else ("no worker up" if num_up == 0 else "step loop died")
+        return {"ok": ok, "status": status, "dead_loops": dead, "num_workers_up": num_up,
                 "workers": workers}
 
     async def wait_workers_up(self, timeout_s: float = 120.0) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Double-buffered event queue for `chunk_complete` / `cache_evict` (docs/architecture.md, "The step").
+"""Double-buffered event queue for `chunk_complete` / `cache_evict` (docs/architecture.md).
 
 Producers (result handling, aborts, preemptions) append to the front buffer while the consumer
 (the worker's step loop, once per step) takes the back buffer; `drain()` swaps the two under a

@@ -107,7 +107,15 @@ class ClusterConfig:
         "Requests one ingress replica holds at once (Serve's default of 5 would queue "
         "every further stream at the proxy, defeating continuous batching)."))
     retry_after_s: int = setting(1, ge=0, description=(
-        "Retry-After header (seconds) of a 429 answer when the request queues are full."))
+        "Retry-After header (seconds) of a 429 or 503 answer (queues full, no worker up, "
+        "the service starting)."))
+    ready_wait_s: float = setting(5.0, gt=0, description=(
+        "How long /health and a request wait for the controller's answer before they get "
+        "503 with Retry-After (never a hang while it restarts or its workers wait for "
+        "resources)."))
+    give_up_after_s: float = setting(300.0, gt=0, description=(
+        "`make serve` exits non-zero when the service has not been healthy for this long, "
+        "so that a supervisor restarts it."))
     batch_max_in_flight: int = setting(256, ge=1, description=(
         "Requests a batch job on the cluster keeps outstanding at once (`ray job submit`)."))
 

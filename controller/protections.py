@@ -1,4 +1,4 @@
-"""Protection layers that watch `chunk_complete` events (docs/architecture.md, "Flow control"). Torch-free.
+"""Protection layers that watch `chunk_complete` events (docs/architecture.md). Torch-free.
 
 - per-chunk timeout `base x (1 + chunk_index x growth)`: a chunk over it aborts its
   request (the caller frees the blocks: the KV rollback) with a clear error;

@@ -14,8 +14,9 @@ step times the controller will see:
   an allocation probe (halving on failure), the int64 slot-index limit of the block-wise
   layout and the int32 limit a contiguous per-request layout would hit.
 Timing runs in interleaved rounds (every round runs every point once, `sweep`): the first
-`warmup` rounds are discarded (a cold run measures caches and clocks, not the step), the mean (and median, std) of the next
-`iters` kept. The point's first run (its admission) is never timed.
+`warmup` rounds are discarded (a cold run measures caches and clocks, not the step), the
+mean (and median, std) of the next `iters` kept. The point's first run (its admission) is
+never timed.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The long-prompt scene (docs/architecture.md) on a local Ray cluster: 16 users streaming, then a long prompt lands.
+"""The long-prompt scene (docs/architecture.md) on local Ray: users stream, a long prompt lands.
 
 A second controller (its own namespace, one worker, budget 64) on the session's Ray
 cluster, driven through the edge's `RayControllerClient` (`submit` + `subscribe`).

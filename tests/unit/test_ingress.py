@@ -78,8 +78,12 @@ def make_client(fake: FakeClient, **config: Any) -> TestClient:
     async def chat(request: Request) -> Response:
         return await server.handle(CHAT, request)
 
+    async def health() -> Response:
+        return await server.health()
+
     app.post(COMPLETIONS)(completions)
     app.post(CHAT)(chat)
+    app.get("/health")(health)
     return TestClient(app)
 
 
@@ -183,3 +187,39 @@ def test_controller_down_is_503_with_an_error_body() -> None:
     resp = client.post(COMPLETIONS, json=BODY)
     assert resp.status_code == 503 and resp.json()["error"]["code"] == "unavailable"
     assert "retry-after" in resp.headers
+
+
+class StartingClient(FakeClient):
+    """A controller whose workers wait for resources: model_info never answers."""
+
+    def __init__(self) -> None:
+        super().__init__([])
+        self.never = asyncio.Event()
+
+    async def model_info(self) -> dict[str, Any]:
+        await self.never.wait()
+        raise AssertionError("unreachable")
+
+    async def ping(self) -> dict[str, Any]:
+        return {"ok": False, "status": "starting", "num_workers_up": 0, "workers": [],
+                "reason": "1 worker actor(s) not ready; each needs {'CPU': 64.0}"}
+
+
+def test_requests_and_health_get_503_with_retry_after_while_workers_wait() -> None:
+    client = make_client(StartingClient(), cluster={"ready_wait_s": 0.05, "retry_after_s": 3})
+    resp = client.post(COMPLETIONS, json=BODY)  # answers instead of hanging
+    assert resp.status_code == 503 and resp.headers["retry-after"] == "3"
+    assert "not ready" in resp.json()["error"]["message"]
+    health = client.get("/health")
+    assert health.status_code == 503 and health.headers["retry-after"] == "3"
+    assert "CPU" in health.json()["reason"]  # names the missing resource
+
+
+def test_health_is_200_only_with_a_worker_up() -> None:
+    class Up(FakeClient):
+        async def ping(self) -> dict[str, Any]:
+            return {"ok": True, "status": "ok", "num_workers_up": 1,
+                    "workers": [{"worker": 0, "up": True}]}
+
+    health = make_client(Up([])).get("/health")
+    assert health.status_code == 200 and health.json()["workers"][0]["up"]
