@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TextIO
 
 from cluster import protocol as p
-from cluster.batch_io import read_done_ids, read_items, write_line
+from cluster.batch_io import prepare_resume, read_items, write_line
 from cluster.config import TokenflowConfig, nest
 from cluster.frontend import Frontend, Prepared, TextStream
 
@@ -107,7 +107,7 @@ def config_from_args(args: argparse.Namespace) -> TokenflowConfig:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     config = config_from_args(args)
-    done_ids = read_done_ids(args.output)
+    done_ids, num_retried = prepare_resume(args.output)
     with args.input.open() as inp, args.output.open("a") as out:
         if args.local:
             counts = run_local(inp, out, config, done_ids, progress=not args.no_progress)
@@ -115,7 +115,10 @@ def main(argv: list[str] | None = None) -> int:
             from cluster.remote_batch import run_remote
 
             counts = run_remote(inp, out, config, done_ids, progress=not args.no_progress)
-    print(json.dumps(counts), file=sys.stderr)
+    counts["retried"] = num_retried  # retryable failures of an earlier run, run again
+    summary = json.dumps(counts)
+    print(summary, file=sys.stderr)
+    args.output.with_name(args.output.name + ".summary.json").write_text(summary + "\n")
     return 0
 
 

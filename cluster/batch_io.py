@@ -12,17 +12,40 @@ from cluster import protocol as p
 from cluster.frontend import Frontend, Prepared
 
 
-def read_done_ids(path: Path) -> set[str]:
-    """custom_ids already answered in OUT (a previous, interrupted run)."""
+def is_retryable(status_code: int | None) -> bool:
+    """A failure worth another try on resume: rate limited, or the service failed (5xx,
+    e.g. a 503 while a worker restarted). A 4xx other than 429 would fail the same way."""
+    return status_code is not None and (status_code == 429 or status_code >= 500)
+
+
+def prepare_resume(path: Path, rewrite: bool = True) -> tuple[set[str], int]:
+    """Get OUT ready for a resumed run: (custom_ids answered for good, lines to retry).
+    With `rewrite`, OUT is rewritten (atomically) without the retryable error lines and
+    any torn last line, so every custom_id ends up with exactly one answer."""
     if not path.exists():
-        return set()
-    done = set()
+        return set(), 0
+    done: set[str] = set()
+    kept: list[str] = []
+    num_retry = num_dropped = 0
     for line in path.read_text().splitlines():
         try:
-            done.add(json.loads(line)["custom_id"])
+            record = json.loads(line)
+            custom_id = record["custom_id"]
         except (ValueError, KeyError, TypeError):
-            continue  # a torn last line from a crash: that request runs again
-    return done
+            num_dropped += 1  # a torn last line from a crash: that request runs again
+            continue
+        status = (record.get("response") or {}).get("status_code")
+        if record.get("error") is not None and is_retryable(status):
+            num_retry += 1
+            num_dropped += 1
+            continue
+        done.add(custom_id)
+        kept.append(line)
+    if rewrite and num_dropped:
+        tmp = path.with_name(path.name + ".resume")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        tmp.replace(path)
+    return done, num_retry
 
 
 def _custom_id_of(line: str) -> str | None:

@@ -62,3 +62,30 @@ def test_batch_local_end_to_end(tmp_path):
     rows_after = out.read_text().splitlines()
     ids_after = [json.loads(r)["custom_id"] for r in rows_after]
     assert ids_after.count("text") == 1 and ids_after.count("chat") == 1
+
+
+def test_resume_retries_retryable_failures_and_keeps_the_rest(tmp_path):
+    """A 503 line (a worker failed) runs again, a 400 line and a completed line are kept,
+    a torn last line runs again; every custom_id ends with exactly one answer."""
+    from cluster import protocol as p
+
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_input(inp)
+    first = run_batch(inp, out)
+    assert first.returncode == 0, first.stderr
+    rows = {json.loads(line)["custom_id"]: line for line in out.read_text().splitlines()}
+    unavailable = p.batch_error_line("ids", p.ProtocolError(503, "worker 0 failed"))
+    out.write_text(rows["text"] + "\n" + rows["bad-temp"] + "\n" + json.dumps(unavailable)
+                   + "\n" + '{"custom_id": "chat", "resp')  # chat's line was torn
+    again = run_batch(inp, out)
+    assert again.returncode == 0, again.stderr
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    custom_ids = [row["custom_id"] for row in lines]
+    assert sorted(c for c in custom_ids if c) == ["bad-temp", "chat", "ids", "text"]
+    assert len(custom_ids) == len(set(custom_ids))  # one answer each
+    by_id = {row["custom_id"]: row for row in lines}
+    assert by_id["ids"]["response"]["status_code"] == 200  # retried, now answered
+    assert by_id["bad-temp"]["response"]["status_code"] == 400  # not retryable: kept
+    summary = json.loads((tmp_path / "out.jsonl.summary.json").read_text())
+    assert summary["retried"] == 1 and summary["skipped"] == 2
+    assert summary["completed"] == 2  # ids and chat
