@@ -4,6 +4,13 @@ Determinism: a seeded request draws its k-th output token from a generator seede
 `derive_seed(seed, k)`. The draw therefore depends only on (seed, k, logits), not on batch
 composition or on earlier draws, so a request recomputed after preemption samples the same
 tokens. Unseeded rows share one worker-level generator.
+
+On CUDA the worker samples where the logits are (`Sampler.on_device`): greedy rows take the
+argmax; random rows race exponential noise against the filtered probabilities (the argmax of
+`probs / E`, E ~ Exp(1), is a draw from `probs`), the noise a counter-based hash of (seed, k,
+token id), so a seeded draw again depends only on (seed, k, logits), on any device. Its draws
+are not the CPU path's (a different random stream); the only device-to-host copy is the
+sampled ids.
 """
 
 from __future__ import annotations
@@ -53,6 +60,27 @@ def apply_top_p(logits: Tensor, top_p: Tensor) -> Tensor:
     return logits.masked_fill(remove, float("-inf"))
 
 
+_GOLDEN = -0x61C8864680B583EB  # 0x9E3779B97F4A7C15 as a signed int64
+_MIX1 = -0x40A7B892E31B1A47  # 0xBF58476D1CE4E5B9
+_MIX2 = -0x6B2FB644ECCEEE15  # 0x94D049BB133111EB
+
+
+def _shr(x: Tensor, bits: int) -> Tensor:
+    """Logical right shift of int64 (torch's `>>` is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def hash_uniform(seeds: Tensor, num_columns: int) -> Tensor:
+    """seeds [R] int64 -> [R, num_columns] float32 uniform in (0, 1): SplitMix64 of
+    (seed, column), computed on `seeds`' device with wrapping int64 arithmetic."""
+    cols = torch.arange(num_columns, dtype=torch.int64, device=seeds.device)
+    x = seeds[:, None] + (cols[None, :] + 1) * _GOLDEN
+    x = (x ^ _shr(x, 30)) * _MIX1
+    x = (x ^ _shr(x, 27)) * _MIX2
+    x = x ^ _shr(x, 31)
+    return (_shr(x, 41).float() + 0.5) * (1.0 / (1 << 23))  # 23 bits: exact, never 0 or 1
+
+
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
@@ -81,3 +109,28 @@ class Sampler:
                 generator.manual_seed(derive_seed(seed, rows[i].num_output_tokens))
             tokens[i] = int(torch.multinomial(probs[j], 1, generator=generator).item())
         return tokens
+
+    def on_device(self, logits: Tensor, rows: list[SamplingRow]) -> list[int]:
+        """logits [S, V] fp32 -> one token id per row, sampled on the logits' device."""
+        assert logits.shape[0] == len(rows)
+        tokens = logits.argmax(dim=-1)
+        random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
+        if random_rows:
+            device = logits.device
+            params = [rows[i].params for i in random_rows]
+            index = torch.tensor(random_rows, device=device)
+            temps = torch.tensor([p.temperature for p in params], device=device)
+            sub = logits[index].float() / temps[:, None]
+            if any(p.top_k > 0 for p in params):
+                sub = apply_top_k(sub, torch.tensor([p.top_k for p in params], device=device))
+            if any(p.top_p < 1.0 for p in params):
+                sub = apply_top_p(sub, torch.tensor([p.top_p for p in params], device=device))
+            probs = sub.softmax(dim=-1)
+            seeds = [
+                derive_seed(p.seed, rows[i].num_output_tokens) if p.seed is not None
+                else int(torch.randint(1 << 62, (1,), generator=self.generator))
+                for i, p in zip(random_rows, params, strict=True)
+            ]
+            noise = -torch.log(hash_uniform(torch.tensor(seeds, device=device), sub.shape[1]))
+            tokens[index] = (probs / noise).argmax(dim=-1)
+        return tokens.tolist()  # the step's one device-to-host copy

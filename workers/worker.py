@@ -6,6 +6,13 @@ appends blocks. A scheduled span of `n` tokens feeds `token_ids[num_computed : n
 at global positions `num_computed + i`; the request samples one token iff the span reaches the
 end of its known tokens.
 
+Execution of a step: the spans are laid out decodes first (longest context first), then the
+chunks; `StepMetadata.build` packs ids, positions, slots and block table on the host and copies
+them to the device at once (workers/attention/metadata.py); the attention backend prepares the
+step once for all layers (`attention_backend`: triton on CUDA, torch on CPU). On CUDA,
+decode-only steps replay a CUDA graph of their batch-size bucket (workers/cuda_graphs.py) and
+mixed steps run eagerly; tokens are sampled on the device and copied back in one copy.
+
 Bytes-moved estimate (feeds the CPU bandwidth telemetry), per step:
     weights read   = every weight matrix once (the embedding table only for its T gathered
                      rows, unless it doubles as lm_head)
@@ -20,9 +27,10 @@ A chunk's `bytes_moved` uses the same terms for its own tokens plus its pro-rata
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -34,7 +42,8 @@ from controller.messages import (
     StepPlan,
     StepResult,
 )
-from workers.attention import AttentionMetadata, SeqSpan, allocate_kv_cache
+from workers.attention import HostStaging, SeqSpan, StepMetadata, allocate_kv_cache, make_backend
+from workers.cuda_graphs import DecodeGraphs
 from workers.loader import load_model, parse_dtype
 from workers.model_config import ModelConfig
 from workers.presets import resolve_model
@@ -46,12 +55,28 @@ from workers.tokenizer import Tokenizer
 @dataclass
 class RequestState:
     token_ids: list[int]  # prompt + generated, including tokens sampled by this worker
-    block_ids: list[int]
     num_computed: int  # tokens whose K/V are in the cache
     num_admitted_tokens: int  # len(token_ids) at admission: spans starting before are prefill
     num_output_tokens: int
     sampling_params: SamplingParams
     num_chunks: int = 0  # ChunkComplete events emitted so far (next chunk_index)
+    # The block table row, kept as a growable int64 array: a step copies its first blocks
+    # into the step's table with one slice assignment, whatever the context length.
+    _blocks: np.ndarray = field(default_factory=lambda: np.zeros(8, dtype=np.int64))
+    _num_blocks: int = 0
+
+    @property
+    def block_ids(self) -> np.ndarray:
+        return self._blocks[: self._num_blocks]
+
+    def add_blocks(self, block_ids: list[int]) -> None:
+        end = self._num_blocks + len(block_ids)
+        if end > len(self._blocks):
+            grown = np.zeros(max(end, 2 * len(self._blocks)), dtype=np.int64)
+            grown[: self._num_blocks] = self.block_ids
+            self._blocks = grown
+        self._blocks[self._num_blocks : end] = block_ids
+        self._num_blocks = end
 
 
 class Worker:
@@ -65,10 +90,18 @@ class Worker:
         keep_logits: bool = False,
         device: str = "cpu",
         num_threads: int | None = None,
+        attention_backend: str = "auto",
+        cuda_graphs: bool = True,
+        max_graph_batch: int = 256,
     ) -> None:
         """`num_threads`: torch intra-op threads (process-wide) for CPU execution; None keeps
         torch's default of one per core. On a shared machine fewer threads than cores is often
-        faster: every parallel region waits for its slowest, possibly descheduled, thread."""
+        faster: every parallel region waits for its slowest, possibly descheduled, thread.
+
+        `attention_backend`: "auto" (triton on CUDA, torch on CPU), "torch" or "triton"
+        (workers/attention). `cuda_graphs`: replay decode-only steps of up to `max_graph_batch`
+        sequences from CUDA graphs (workers/cuda_graphs.py); only where the device is CUDA
+        and the backend capturable (triton), ignored elsewhere."""
         if num_threads is not None:
             if num_threads < 1:
                 raise ValueError(f"num_threads must be >= 1, got {num_threads}")
@@ -87,6 +120,20 @@ class Worker:
             cfg.num_hidden_layers, num_kv_blocks, block_size, cfg.num_key_value_heads,
             cfg.head_dim, self.dtype, self.device,
         )
+        self.backend = make_backend(
+            attention_backend, num_heads=cfg.num_attention_heads,
+            num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, dtype=self.dtype,
+            device=self.device,
+        )
+        self._staging = HostStaging(self.device)
+        self.graphs: DecodeGraphs | None = None
+        if (cuda_graphs and max_graph_batch > 0 and self.device.type == "cuda"
+                and self.backend.supports_cuda_graphs):
+            max_blocks = min(-(-cfg.max_model_len // block_size), num_kv_blocks)
+            self.graphs = DecodeGraphs(
+                self.model, self.kv_caches, self.backend, max_graph_batch, max_blocks,
+                block_size, cfg.hidden_size, self.dtype, self.device,
+            )
         self.sampler = Sampler(seed)
         self.keep_logits = keep_logits
         self.last_logits: dict[str, Tensor] = {}  # [vocab] fp32, last token of the last span
@@ -143,7 +190,7 @@ class Worker:
         return len(self._requests)
 
     def held_block_ids(self) -> set[int]:
-        return {b for state in self._requests.values() for b in state.block_ids}
+        return {b for state in self._requests.values() for b in state.block_ids.tolist()}
 
     # ---- plan diffs -------------------------------------------------------------------------
     def _check_blocks(self, block_ids: list[int]) -> None:
@@ -153,19 +200,20 @@ class Worker:
 
     def _add_request(self, new: NewRequestData) -> None:
         self._check_blocks(new.block_ids)
-        self._requests[new.request_id] = RequestState(
+        state = RequestState(
             token_ids=list(new.token_ids),
-            block_ids=list(new.block_ids),
             num_computed=new.num_computed_tokens,
             num_admitted_tokens=len(new.token_ids),
             num_output_tokens=new.num_output_tokens,
             sampling_params=new.sampling_params,
         )
+        state.add_blocks(new.block_ids)
+        self._requests[new.request_id] = state
 
     def _update_request(self, cached: CachedRequestData) -> None:
         state = self._state(cached.request_id)
         self._check_blocks(cached.new_block_ids)
-        state.block_ids.extend(cached.new_block_ids)
+        state.add_blocks(cached.new_block_ids)
         # The controller's count is authoritative (it may roll back a timed-out chunk).
         if cached.num_computed_tokens > len(state.token_ids):
             raise ValueError(f"{cached.request_id}: num_computed beyond the known tokens")
@@ -190,8 +238,10 @@ class Worker:
         for cached in plan.cached_requests:
             self._update_request(cached)
 
-        input_ids: list[int] = []
-        spans: dict[str, SeqSpan] = {}
+        # Flat batch order: decodes (1-token spans) first, longest context first, then the
+        # multi-token spans (what the attention backends expect, workers/attention); `spans`
+        # itself keeps the plan's order (events and results follow it).
+        scheduled: list[tuple[str, RequestState, int, int]] = []
         for request_id, num_tokens in plan.num_scheduled_tokens.items():
             if num_tokens <= 0:
                 continue
@@ -205,37 +255,58 @@ class Worker:
                 raise ValueError(
                     f"{request_id}: {end} tokens exceed max_model_len {self._config.max_model_len}"
                 )
-            spans[request_id] = SeqSpan(len(input_ids), num_tokens, end, state.block_ids)
-            input_ids.extend(state.token_ids[begin:end])
-        if not spans:
+            scheduled.append((request_id, state, begin, num_tokens))
+        if not scheduled:
             result = StepResult(step_id=plan.step_id, elapsed_s=time.perf_counter() - start_time)
             return self._sample_telemetry(result)
-
-        # Positions, slots and block tables come out of a few vectorised ops (attention.py).
-        meta = AttentionMetadata.build(list(spans.values()), self.block_size, self.device,
-                                       self.dtype)
-        ids_t = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
-        hidden = self.model(ids_t, meta.positions, meta, self.kv_caches)  # [T, hidden]
-
+        flat = sorted(scheduled, key=lambda s: (s[3] != 1, -(s[2] + s[3]) if s[3] == 1 else 0))
+        input_ids: list[int] = []
+        by_id: dict[str, SeqSpan] = {}
+        for request_id, state, begin, num_tokens in flat:
+            by_id[request_id] = SeqSpan(len(input_ids), num_tokens, begin + num_tokens,
+                                        state.block_ids)
+            input_ids.extend(state.token_ids[begin : begin + num_tokens])
+        spans = {request_id: by_id[request_id] for request_id, *_ in scheduled}
         sampling_ids = [
             rid for rid, span in spans.items()
             if span.context_len == len(self._requests[rid].token_ids)
         ]
         last_rows = [spans[r].query_start + spans[r].num_query_tokens - 1 for r in sampling_ids]
+
+        flat_spans = [by_id[request_id] for request_id, *_ in flat]
+        bucket = None
+        if self.graphs is not None and len(input_ids) == len(flat_spans):  # decode-only
+            width = max(-(-span.context_len // self.block_size) for span in flat_spans)
+            bucket = self.graphs.bucket_for(len(flat_spans), width)
+        # One host build and one copy to the device for the whole step (attention/metadata.py).
+        meta = StepMetadata.build(flat_spans, input_ids, self.block_size, self._staging,
+                                  logits_indices=last_rows, pad_to=bucket)
+        if bucket is not None:
+            assert self.graphs is not None
+            hidden = self.graphs.run(meta)  # [bucket, hidden], padding rows past the real ones
+        else:
+            attn = self.backend.prepare(meta)
+            hidden = self.model(meta.input_ids, meta.positions, attn, self.kv_caches)
+        hidden = hidden[: meta.num_real_tokens]  # [T, hidden]
+
         if self.keep_logits:
             all_logits = self.model.compute_logits(hidden)  # [T, vocab]
             for rid, span in spans.items():
                 rows = all_logits[span.query_start : span.query_start + span.num_query_tokens]
                 self.span_logits[rid] = rows.cpu()
                 self.last_logits[rid] = rows[-1].cpu()
-            logits = all_logits[last_rows]
+            logits = all_logits[meta.logits_indices]
         else:
-            logits = self.model.compute_logits(hidden[last_rows])  # [S, vocab]
+            logits = self.model.compute_logits(hidden[meta.logits_indices])  # [S, vocab]
         rows = [
             SamplingRow(self._requests[rid].sampling_params, self._requests[rid].num_output_tokens)
             for rid in sampling_ids
         ]
-        sampled = dict(zip(sampling_ids, self.sampler(logits, rows), strict=True))
+        if self.device.type == "cuda":
+            tokens = self.sampler.on_device(logits, rows)  # one device-to-host copy
+        else:
+            tokens = self.sampler(logits, rows)
+        sampled = dict(zip(sampling_ids, tokens, strict=True))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         elapsed_s = time.perf_counter() - start_time
@@ -257,7 +328,7 @@ class Worker:
             k_cache[dst] = k_cache[src]
             v_cache[dst] = v_cache[src]
         for state in self._requests.values():
-            state.block_ids = [moves.get(b, b) for b in state.block_ids]
+            state.block_ids[:] = [moves.get(b, b) for b in state.block_ids.tolist()]
 
     def _finish_step(
         self, plan: StepPlan, spans: dict[str, SeqSpan], sampled: dict[str, int], elapsed_s: float

@@ -80,3 +80,49 @@ def test_sampling_respects_filters_and_distribution():
     assert {sampler(logits, [top_p])[0] for _ in range(50)} == {0}
     cold = SamplingRow(SamplingParams(temperature=1e-4), 0)
     assert {sampler(logits, [cold])[0] for _ in range(50)} == {0}
+
+
+# ---- sampling where the logits are (the CUDA path; these run it on CPU) -----------------------
+def test_hash_uniform_is_uniform_and_deterministic():
+    from workers.sampler import hash_uniform
+
+    u = hash_uniform(torch.tensor([3, 4]), 200_000)
+    assert float(u.min()) > 0.0 and float(u.max()) < 1.0
+    assert abs(float(u.mean()) - 0.5) < 0.005 and abs(float(u.std()) - 12 ** -0.5) < 0.005
+    assert torch.equal(hash_uniform(torch.tensor([4]), 100), u[1:, :100])
+    assert float((u[0] - u[1]).abs().mean()) > 0.3  # seeds give independent streams
+
+
+def test_on_device_greedy_rows_take_argmax():
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    rows = [SamplingRow(SamplingParams(temperature=0.0), 0)] * 4
+    assert Sampler().on_device(logits, rows) == logits.argmax(-1).tolist()
+
+
+def test_on_device_seeded_rows_are_deterministic_and_batch_independent():
+    logits = torch.randn(3, 100, generator=torch.Generator().manual_seed(1))
+    seeded = SamplingRow(SamplingParams(temperature=1.0, seed=7), 5)
+    greedy = SamplingRow(SamplingParams(temperature=0.0), 0)
+    alone = Sampler(seed=1).on_device(logits[1:2], [seeded])
+    mixed = Sampler(seed=2).on_device(logits, [greedy, seeded, greedy])
+    assert mixed[1] == alone[0]
+    # The k-th output token gets its own draw: over k the tokens vary.
+    draws = {Sampler().on_device(logits[1:2], [SamplingRow(seeded.params, k)])[0]
+             for k in range(30)}
+    assert len(draws) > 5
+
+
+def test_on_device_draws_follow_the_filtered_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log()[None, :].repeat(4000, 1)
+    rows = [SamplingRow(SamplingParams(temperature=1.0, top_k=3, seed=s), 0) for s in range(4000)]
+    counts = torch.bincount(torch.tensor(Sampler().on_device(logits, rows)), minlength=4)
+    assert counts[3] == 0  # cut by top_k
+    freq = counts[:3].float() / 4000
+    torch.testing.assert_close(freq, probs[:3] / probs[:3].sum(), atol=0.03, rtol=0)
+    unseeded = [SamplingRow(SamplingParams(temperature=1.0, top_p=0.7), 0)] * 4000
+    counts = torch.bincount(torch.tensor(Sampler(seed=3).on_device(logits, unseeded)),
+                            minlength=4)
+    assert counts[2] == counts[3] == 0  # top_p 0.7 keeps the two most likely tokens
+    torch.testing.assert_close(counts[:2].float() / 4000, torch.tensor([0.625, 0.375]),
+                               atol=0.03, rtol=0)

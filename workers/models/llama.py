@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from workers.attention import AttentionMetadata, KVCache, paged_attention
+from workers.attention import AttentionStep, KVCache
 from workers.model_config import ModelConfig, RopeConfig
 
 
@@ -99,7 +99,7 @@ class Attention(nn.Module):
         del self.q_proj, self.k_proj, self.v_proj
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: KVCache, meta: AttentionMetadata
+        self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: KVCache, attn: AttentionStep
     ) -> Tensor:
         assert self.qkv_proj is not None, "call LlamaForCausalLM.fuse_projections() first"
         num_tokens = x.shape[0]
@@ -110,7 +110,7 @@ class Attention(nn.Module):
             num_tokens, num_qk_heads, self.head_dim), cos, sin)  # [T, H + Hkv, hd]
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, num_qk_heads * self.head_dim :].view(num_tokens, self.num_kv_heads, -1)
-        o = paged_attention(q, k, v, kv_cache, meta, self.scale)  # [T, H, hd]
+        o = attn.forward(q, k, v, kv_cache, self.scale)  # [T, H, hd]
         return self.o_proj(o.view(num_tokens, -1))  # [T, hidden]
 
 
@@ -151,10 +151,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: KVCache, meta: AttentionMetadata
+        self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: KVCache, attn: AttentionStep
     ) -> Tensor:
         # In place: the residual stream is this forward's own tensor, never a caller's.
-        x = x.add_(self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta))
+        x = x.add_(self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, attn))
         return x.add_(self.mlp(self.post_attention_layernorm(x)))
 
 
@@ -198,14 +198,15 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: Tensor,
         positions: Tensor,
-        meta: AttentionMetadata,
+        attn: AttentionStep,
         kv_caches: list[KVCache],
     ) -> Tensor:
-        """input_ids, positions [T] -> final-normed hidden states [T, hidden]."""
+        """input_ids, positions [T] -> final-normed hidden states [T, hidden]. `attn`: the
+        step's attention (`backend.prepare(meta)`), called by every layer."""
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary_emb(positions, x.dtype)  # [T, hd/2] each, shared by all layers
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv_cache, meta)
+            x = layer(x, cos, sin, kv_cache, attn)
         return self.model.norm(x)
 
     def prepack_lm_head(self, batch_hint: int = 16, min_elements: int = 1 << 20) -> bool:

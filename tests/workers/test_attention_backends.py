@@ -1,0 +1,107 @@
+"""Step metadata, the varlen torch backend, and the Triton kernels (under the interpreter).
+
+The torch path must equal a float64 token-by-token reference (tests/workers/attention_cases.py);
+the Triton kernels run on CPU under the interpreter in a subprocess (triton_interpreted.py) and
+must equal the torch path in fp32 to 1e-5.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.workers.attention_cases import MIXED, make_case, reference_attention
+from workers.attention import HostStaging, SeqSpan, StepMetadata, make_backend
+from workers.attention.torch_backend import TorchBackend, decode_groups
+
+ATOL = 1e-5
+CPU = torch.device("cpu")
+
+
+# ---- metadata ---------------------------------------------------------------------------------
+def test_metadata_positions_slots_and_table():
+    spans = [SeqSpan(0, 1, 20, [7, 3]), SeqSpan(1, 3, 5, [9])]
+    meta = StepMetadata.build(spans, [5, 6, 7, 8], 16, HostStaging(CPU), logits_indices=[0, 3])
+    assert meta.input_ids.tolist() == [5, 6, 7, 8]
+    assert meta.positions.tolist() == [19, 2, 3, 4]
+    assert meta.slot_mapping.tolist() == [3 * 16 + 3, 9 * 16 + 2, 9 * 16 + 3, 9 * 16 + 4]
+    assert meta.query_start_loc.tolist() == [0, 1, 4]
+    assert meta.seq_lens.tolist() == [20, 5]
+    assert meta.block_table.tolist() == [[7, 3], [9, 0]]
+    assert meta.logits_indices.tolist() == [0, 3]
+    assert (meta.num_decodes, meta.max_query_len, meta.max_seq_len) == (1, 3, 20)
+    assert not meta.is_decode_only
+
+
+def test_metadata_pads_decode_steps_to_a_bucket():
+    spans = [SeqSpan(0, 1, 40, [4, 5, 6]), SeqSpan(1, 1, 2, [8])]
+    meta = StepMetadata.build(spans, [11, 12], 16, HostStaging(CPU), pad_to=4)
+    assert (meta.num_tokens, meta.num_seqs, meta.num_decodes) == (4, 4, 4)
+    assert (meta.num_real_tokens, meta.num_real_seqs) == (2, 2)
+    assert meta.input_ids.tolist() == [11, 12, 0, 0]
+    assert meta.slot_mapping.tolist() == [6 * 16 + 7, 8 * 16 + 1, -1, -1]  # padding: no write
+    assert meta.seq_lens.tolist() == [40, 2, 0, 0]  # padding: no key read
+    assert meta.query_start_loc.tolist() == [0, 1, 2, 3, 4]
+    assert meta.block_table.tolist() == [[4, 5, 6], [8, 0, 0], [0, 0, 0], [0, 0, 0]]
+    with pytest.raises(ValueError, match="decode-only"):
+        StepMetadata.build([SeqSpan(0, 2, 2, [1])], [1, 2], 16, HostStaging(CPU), pad_to=2)
+
+
+def test_metadata_rejects_short_block_lists():
+    with pytest.raises(ValueError, match="needs 3 blocks"):
+        StepMetadata.build([SeqSpan(0, 37, 37, [1])], list(range(37)), 16, HostStaging(CPU))
+
+
+def test_auto_backend_by_device():
+    kwargs = dict(num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+    assert make_backend("auto", device=CPU, **kwargs).name == "torch"
+    with pytest.raises(ValueError, match="CUDA"):
+        make_backend("triton", device=CPU, **kwargs)
+    with pytest.raises(ValueError, match="expected one of"):
+        make_backend("flash", device=CPU, **kwargs)
+
+
+# ---- torch backend ----------------------------------------------------------------------------
+def test_decode_groups_bound_the_padding():
+    lens = np.array([4000, 3900, 3300, 1000, 900, 300, 200, 180, 5])
+    groups = decode_groups(lens, ratio=1.25, slack=256)
+    assert groups == [(0, 3), (3, 5), (5, 8), (8, 9)]
+    for a, b in groups:  # no row reads more than max(1.25x its keys, its keys + 256)
+        assert all(lens[a:b].max() <= max(1.25 * n, n + 256) for n in lens[a:b])
+    assert decode_groups(np.array([64, 64, 63]), 1.25, 0) == [(0, 3)]
+    assert decode_groups(np.array([], dtype=np.int64), 1.25, 0) == []
+
+
+@pytest.mark.parametrize("slack", [0, 256])  # many groups (one per context), one group
+def test_torch_backend_matches_reference(slack):
+    case = make_case([(700, 1), (300, 1), (150, 1), *MIXED], num_heads=4, num_kv_heads=2,
+                     head_dim=16, block_size=16, seed=1)
+    want, want_k, want_v = reference_attention(case)
+    k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+    step = TorchBackend(torch.float32, group_ratio=1.25, group_slack=slack).prepare(case.meta)
+    assert len(step.decodes) == (7 if slack == 0 else 3)
+    got = step.forward(case.q, case.k, case.v, (k_cache, v_cache), case.scale)
+    torch.testing.assert_close(got.double(), want, atol=ATOL, rtol=0)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+# ---- Triton kernels, under the interpreter, in their own process ------------------------------
+def test_triton_kernels_under_the_interpreter():
+    """tests/workers/triton_interpreted.py in a fresh Python with TRITON_INTERPRET=1: the
+    variable must be set before triton is first imported (triton.language's own helpers are
+    decorated then), and the rest of this suite must keep compiled kernels on a GPU."""
+    pytest.importorskip("triton", reason="triton is not installed (the dev extra has it)")
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+           str(Path(__file__).with_name("triton_interpreted.py"))]
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    tail = (proc.stdout + proc.stderr)[-6000:]
+    assert proc.returncode == 0, tail
+    assert " passed" in tail and " skipped" not in tail, tail

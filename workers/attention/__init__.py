@@ -1,0 +1,90 @@
+"""Paged KV cache and the attention backends.
+
+KV layout: per layer a pair `(k_cache, v_cache)`, each `[num_blocks, block_size, num_kv_heads,
+head_dim]` (block-wise, the layout paged attention kernels take). Token `j` of a request lives
+in slot `block_ids[j // block_size] * block_size + j % block_size` of the flattened
+`[num_blocks * block_size, num_kv_heads, head_dim]` view. Slot and element offsets are int64 so
+that large pools cannot overflow.
+
+A step: `StepMetadata.build` packs the step's integers on the host and copies them once to the
+device (metadata.py); `backend.prepare(meta)` decides everything per step (groups, launch
+sizes) and returns the object every layer calls, `step.forward(q, k, v, kv_cache, scale)`.
+Backends, chosen by `make_backend` ("auto": triton on CUDA, torch on CPU):
+- `TorchBackend` (torch_backend.py): SDPA over gathered blocks, varlen decode groups; the CPU
+  path and the exact reference.
+- `TritonBackend` (triton_backend.py, kernels in triton_kernels.py): reads K/V straight from
+  the paged cache; no gathered copies, no masks; CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from workers.attention.metadata import HostStaging, SeqSpan, StepMetadata
+from workers.attention.torch_backend import TorchBackend
+
+log = logging.getLogger(__name__)
+
+KVCache = tuple[Tensor, Tensor]
+BACKENDS = ("auto", "torch", "triton")
+
+__all__ = ["BACKENDS", "AttentionBackend", "AttentionStep", "HostStaging", "KVCache", "SeqSpan",
+           "StepMetadata", "TorchBackend", "allocate_kv_cache", "make_backend"]
+
+
+class AttentionStep(Protocol):
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: KVCache,
+                scale: float) -> Tensor: ...
+
+
+class AttentionBackend(Protocol):
+    name: str
+    supports_cuda_graphs: bool
+
+    def prepare(self, meta: StepMetadata) -> AttentionStep: ...
+
+
+def make_backend(
+    name: str, *, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+    device: torch.device,
+) -> AttentionBackend:
+    if name not in BACKENDS:
+        raise ValueError(f"attention backend {name!r}: expected one of {BACKENDS}")
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+        if name == "triton":
+            try:
+                import triton  # noqa: F401
+            except ImportError:
+                log.warning("triton is not installed: the torch attention backend runs on CUDA")
+                name = "torch"
+    if name == "torch":
+        return TorchBackend(dtype)
+    if device.type != "cuda":
+        raise ValueError("the triton attention backend needs a CUDA device")
+    from workers.attention.triton_backend import TritonBackend
+
+    return TritonBackend(num_heads, num_kv_heads, head_dim, dtype, device)
+
+
+def allocate_kv_cache(
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[KVCache]:
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return [
+        (
+            torch.zeros(shape, dtype=dtype, device=device),
+            torch.zeros(shape, dtype=dtype, device=device),
+        )
+        for _ in range(num_layers)
+    ]

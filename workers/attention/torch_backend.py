@@ -1,0 +1,168 @@
+"""The torch attention backend: SDPA over K/V gathered from the paged cache (CPU default, and
+the exact reference the Triton kernels are tested against).
+
+Semantics (exact): a query at global position `p` attends to keys `0..p` of its own request,
+i.e. causal inside the scheduled chunk and full over earlier chunks and prefix-cached blocks.
+New K/V are written into the cache before any read.
+
+Cost notes:
+- Everything per step (decode groups, masks, block ids) is prepared once, by `prepare`, from
+  the step's metadata; layers only run the attention calls.
+- Varlen decode: the 1-token spans come sorted by context, longest first, and are cut into
+  groups whose contexts are within `group_ratio` (or `group_slack` tokens) of each other; each
+  group is one padded SDPA call over its own longest context. So no decode row pays for a much
+  longer row's context (before, every row was padded to the step's longest), and a step of
+  similar contexts stays one call. Padded keys are masked with -inf: each row's result equals
+  an unpadded call's.
+- Keys are read back per *block* (`index_select` of whole `[block_size, Hkv, hd]` blocks, one
+  contiguous memcpy each), several times faster than gathering per-token slots.
+- Masks are built on the device from `seq_lens` and positions (`arange` comparisons), once per
+  step; grouped-query heads are never materialised (`enable_gqa`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from workers.attention.metadata import StepMetadata
+
+KVCache = tuple[Tensor, Tensor]
+
+
+def decode_groups(seq_lens: np.ndarray, ratio: float, slack: int) -> list[tuple[int, int]]:
+    """Contiguous row ranges `[a, b)` of `seq_lens` whose longest and shortest context are within
+    `ratio` of each other or `slack` tokens apart (best when sorted, as the worker sorts them)."""
+    groups: list[tuple[int, int]] = []
+    start = 0
+    hi = lo = None
+    for row, length in enumerate(seq_lens.tolist()):
+        if hi is not None:
+            new_hi, new_lo = max(hi, length), min(lo, length)
+            if new_lo * ratio >= new_hi or new_hi - new_lo <= slack:
+                hi, lo = new_hi, new_lo
+                continue
+            groups.append((start, row))
+        start, hi, lo = row, length, length
+    if hi is not None:
+        groups.append((start, len(seq_lens)))
+    return groups
+
+
+@dataclass(frozen=True)
+class _DecodeGroup:
+    rows: slice  # rows of the flat batch (= sequences: decodes have one token each)
+    block_table: Tensor  # [g, nb]
+    num_keys: int  # the group's longest context
+    mask: Tensor | None  # [g, 1, 1, num_keys] additive; None when every row has num_keys
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    rows: slice
+    context_len: int
+    block_ids: Tensor | None  # None: the chunk is the whole context (fresh K/V suffice)
+    mask: Tensor | None  # [n, context_len] additive, bottom-right causal
+
+
+def _additive(visible: Tensor, dtype: torch.dtype) -> Tensor:
+    """bool (True = attend) -> 0 / -inf in `dtype`, what SDPA adds to the scores."""
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(
+        ~visible, float("-inf"))
+
+
+def _read_blocks(cache: Tensor, block_ids: Tensor) -> Tensor:
+    """cache [NB, bs, Hkv, hd], block_ids [...] -> keys [..., nb * bs, Hkv, hd] (a copy)."""
+    gathered = cache.index_select(0, block_ids.reshape(-1))
+    return gathered.view(*block_ids.shape[:-1], -1, cache.shape[2], cache.shape[3])
+
+
+class TorchAttentionStep:
+    """One step's attention over every layer (built by `TorchBackend.prepare`)."""
+
+    def __init__(self, meta: StepMetadata, dtype: torch.dtype, ratio: float, slack: int) -> None:
+        if meta.num_real_tokens != meta.num_tokens:
+            raise ValueError("the torch backend runs unpadded steps only")
+        self.meta = meta
+        device, bs = meta.seq_lens.device, meta.block_size
+        lens = meta.seq_lens_np
+        self.decodes: list[_DecodeGroup] = []
+        for a, b in decode_groups(lens[: meta.num_decodes], ratio, slack):
+            num_keys = int(lens[a:b].max())
+            mask = None
+            if int(lens[a:b].min()) < num_keys:
+                visible = torch.arange(num_keys, device=device)[None, :] < meta.seq_lens[a:b, None]
+                mask = _additive(visible, dtype)[:, None, None, :]
+            width = -(-num_keys // bs)
+            self.decodes.append(_DecodeGroup(slice(a, b), meta.block_table[a:b, :width],
+                                             num_keys, mask))
+        self.chunks: list[_Chunk] = []
+        qsl = meta.query_start_np
+        for seq in range(meta.num_decodes, meta.num_seqs):
+            begin, end, ctx = int(qsl[seq]), int(qsl[seq + 1]), int(lens[seq])
+            n = end - begin
+            block_ids = mask = None
+            if ctx > n:
+                block_ids = meta.block_table[seq, : -(-ctx // bs)]
+                if n > 1:  # one query at the end of its context sees every key: no mask
+                    query_pos = torch.arange(ctx - n, ctx, device=device)
+                    mask = _additive(torch.arange(ctx, device=device)[None, :]
+                                     <= query_pos[:, None], dtype)
+            self.chunks.append(_Chunk(slice(begin, end), ctx, block_ids, mask))
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: KVCache, scale: float) -> Tensor:
+        """q [T, H, hd], k/v [T, Hkv, hd] (already rotated) -> [T, H, hd]."""
+        k_cache, v_cache = kv_cache
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        slots = self.meta.slot_mapping
+        # Write first: the spans below read their own new keys back from the cache.
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k.to(k_cache.dtype))
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v.to(v_cache.dtype))
+
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        for chunk in self.chunks:
+            rows = chunk.rows
+            q_span = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, hd]
+            if chunk.block_ids is None:
+                # The chunk is the whole context: its fresh K/V equal what was just written.
+                k_span, v_span = k[rows], v[rows]
+            else:
+                ctx = chunk.context_len
+                k_span = _read_blocks(k_cache, chunk.block_ids)[:ctx]  # [ctx, Hkv, hd]
+                v_span = _read_blocks(v_cache, chunk.block_ids)[:ctx]
+            k_span = k_span.to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, hd]
+            v_span = v_span.to(q.dtype).transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(
+                q_span, k_span, v_span, attn_mask=chunk.mask,
+                is_causal=chunk.block_ids is None and chunk.mask is None,
+                scale=scale, enable_gqa=True,
+            )  # [1, H, n, hd]
+            out[rows] = o[0].transpose(0, 1)
+
+        for group in self.decodes:
+            q_dec = q[group.rows].unsqueeze(2)  # [g, H, 1, hd]
+            keys = slice(0, group.num_keys)  # drop the padding common to all rows
+            k_dec = _read_blocks(k_cache, group.block_table)[:, keys].to(q.dtype).transpose(1, 2)
+            v_dec = _read_blocks(v_cache, group.block_table)[:, keys].to(q.dtype).transpose(1, 2)
+            o = F.scaled_dot_product_attention(
+                q_dec, k_dec, v_dec, attn_mask=group.mask, scale=scale, enable_gqa=True
+            )  # [g, H, 1, hd]
+            out[group.rows] = o.squeeze(2)
+        return out
+
+
+class TorchBackend:
+    name = "torch"
+    supports_cuda_graphs = False
+
+    def __init__(self, dtype: torch.dtype, group_ratio: float = 1.25,
+                 group_slack: int = 256) -> None:
+        self.dtype = dtype
+        self.group_ratio, self.group_slack = group_ratio, group_slack
+
+    def prepare(self, meta: StepMetadata) -> TorchAttentionStep:
+        return TorchAttentionStep(meta, self.dtype, self.group_ratio, self.group_slack)
