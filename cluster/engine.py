@@ -43,7 +43,8 @@ class LocalEngine:
         wcfg, cache = cfg.worker, cfg.cache
         self.worker = Worker(wcfg.model, num_kv_blocks=cache.num_kv_blocks,
                              block_size=cache.block_size, dtype=wcfg.dtype, seed=wcfg.seed,
-                             device=wcfg.device)
+                             device=wcfg.device, attention_backend=wcfg.attention_backend,
+                             cuda_graphs=wcfg.cuda_graphs, max_graph_batch=wcfg.max_graph_batch)
         if wcfg.telemetry:
             from workers.telemetry import make_source
 

@@ -51,7 +51,9 @@ def start_worker_actors(opts: ControllerOptions) -> list[Any]:
     return [worker_cls.options(max_restarts=opts.cluster.worker_max_restarts,
                                max_concurrency=1, **resources).remote(
         wcfg.model, cache.num_kv_blocks, cache.block_size, wcfg.dtype, wcfg.seed,
-        "cuda" if use_gpu else "cpu", wcfg.telemetry, wcfg.peak_bandwidth_bytes_s)
+        "cuda" if use_gpu else "cpu", wcfg.telemetry, wcfg.peak_bandwidth_bytes_s,
+        attention_backend=wcfg.attention_backend, cuda_graphs=wcfg.cuda_graphs,
+        max_graph_batch=wcfg.max_graph_batch)
         for _ in range(num_workers)]
 
 

@@ -9,6 +9,7 @@ owns the full configuration (`TokenflowConfig`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from controller.core import DegradedConfig
 from controller.flow import FlowConfig
@@ -46,6 +47,15 @@ class WorkerConfig:
     peak_bandwidth_gbs: float | None = setting(None, gt=0, description=(
         "Peak memory bandwidth (GB/s) for the CPU bandwidth estimate; None measures it "
         "at worker start."))
+    attention_backend: Literal["auto", "torch", "triton"] = setting("auto", description=(
+        "auto: the paged Triton kernels on CUDA, the varlen torch path on CPU (exact, the "
+        "reference); torch or triton to force one (triton on CPU only under the Triton "
+        "interpreter)."))
+    cuda_graphs: bool = setting(True, description=(
+        "Replay CUDA graphs for decode-only steps on CUDA (captured per batch-size bucket "
+        "on first use); mixed steps run eagerly."))
+    max_graph_batch: int = setting(256, ge=1, description=(
+        "Largest decode batch replayed from a CUDA graph; larger ones run eagerly."))
 
     def __post_init__(self) -> None:
         check_settings(self)

@@ -42,12 +42,15 @@ class WorkerRestartedError(RuntimeError):
 class WorkerActor:
     def __init__(self, model: str, num_kv_blocks: int, block_size: int, dtype: str = "float32",
                  seed: int = 0, device: str = "auto", telemetry: bool = True,
-                 peak_bandwidth_bytes_s: float | None = None) -> None:
+                 peak_bandwidth_bytes_s: float | None = None, attention_backend: str = "auto",
+                 cuda_graphs: bool = True, max_graph_batch: int = 256) -> None:
         from workers.telemetry import make_source
         from workers.worker import Worker  # torch is imported in the actor process only
 
         self.worker = Worker(model, num_kv_blocks=num_kv_blocks, block_size=block_size,
-                             dtype=dtype, seed=seed, device=_resolve_device(device))
+                             dtype=dtype, seed=seed, device=_resolve_device(device),
+                             attention_backend=attention_backend, cuda_graphs=cuda_graphs,
+                             max_graph_batch=max_graph_batch)
         if telemetry:
             self.worker.telemetry = make_source(str(self.worker.device), peak_bandwidth_bytes_s)
         self.num_steps = 0
