@@ -245,6 +245,7 @@ class TokenflowIngress:
         self.config = TokenflowConfig(**(config or {}))
         handle = get_or_create_controller(self.config.controller_options())
         self.server = OpenAIServer(self.config, RayControllerClient(handle))
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
 
     @app.post(COMPLETIONS)
     async def completions(self, request: Request) -> Response:
@@ -264,7 +265,10 @@ class TokenflowIngress:
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
-        return await self.server.metrics()
+        response = await self.server.metrics()
+        # Which replica answered: any replica's scrape must read the same.
+        response.headers["X-Tokenflow-Replica"] = self.replica_id
+        return response
 
 
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:
