@@ -20,7 +20,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks import calibration_bench, cluster_bench, engine_bench, policies_bench
+from benchmarks import (
+    calibration_bench,
+    cluster_bench,
+    engine_bench,
+    metrics_bench,
+    policies_bench,
+)
 
 BenchmarkFn = Callable[[bool, Path], dict[str, Any]]
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -30,6 +36,7 @@ BENCHMARKS: dict[str, BenchmarkFn] = {
     "calibration": calibration_bench.run,
     "cluster": cluster_bench.run,
     "policies": policies_bench.run,
+    "metrics": metrics_bench.run,
 }
 
 

@@ -3,6 +3,7 @@
     tokenflow calibrate --model M [--itl-slo-ms X] --out budget.json [--quick]
                         [--warmup N --iters N] [--max-tokens N] [--threads N]
     tokenflow calibrate --check budget.json [--tolerance X] [--warmup N --iters N]
+    tokenflow dashboard push --grafana-url URL [--token T] [--file dashboards/tokenflow.json]
 
 `calibrate` measures on this machine's worker device (workers/calibrate.py), fits the cost
 model and writes the budget table plus a PNG of the fit beside it (budget.png).
@@ -10,6 +11,8 @@ model and writes the budget table plus a PNG of the fit beside it (budget.png).
 than the tolerance. Per quantity, not per point: the median ratio over the prefill points,
 over the decode points, the matmul peak, the bandwidth and the KV capacity; a single noisy
 point on a shared machine must not fail the check, a slower machine must.
+`dashboard push` uploads the Grafana dashboard (same uid, overwritten); a Grafana error
+is one line on stderr and exit code 1.
 Defaults come from `TokenflowConfig` (so `TOKENFLOW_CALIBRATION__*` env variables apply).
 """
 
@@ -58,6 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--matmul-size", type=int, help="GEMM edge of the peak-FLOPs probe")
     cal.add_argument("--bandwidth-bytes", type=int, help="buffer of the bandwidth probe")
     cal.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    dash = sub.add_parser("dashboard", help="the Grafana ops dashboard")
+    dash_sub = dash.add_subparsers(dest="action", required=True)
+    push = dash_sub.add_parser("push", help="upload dashboards/tokenflow.json (overwrite)")
+    push.add_argument("--grafana-url", required=True, help="e.g. http://127.0.0.1:3000")
+    push.add_argument("--token", help="Grafana service-account token (Bearer)")
+    push.add_argument("--file", type=Path, help="dashboard JSON (default: the shipped one)")
     cal.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
@@ -169,8 +178,23 @@ def run_calibrate(args: argparse.Namespace, cfg: TokenflowConfig) -> int:
     return 0
 
 
+def run_dashboard_push(args: argparse.Namespace) -> int:
+    from cluster.dashboard import DASHBOARD_PATH, DashboardPushError, push_dashboard
+
+    try:
+        answer = push_dashboard(args.grafana_url, args.token, args.file or DASHBOARD_PATH)
+    except DashboardPushError as err:
+        print(f"tokenflow dashboard push: {err}", file=sys.stderr)
+        return 1
+    print(f"pushed dashboard {answer.get('uid')} version {answer.get('version')}: "
+          f"{answer.get('url', '')}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "dashboard":
+        return run_dashboard_push(args)
     cfg = TokenflowConfig()
     if args.check is not None:
         return run_check(args, cfg)

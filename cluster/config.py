@@ -24,6 +24,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from cluster.metrics import MetricsConfig
 from controller.core import DegradedConfig
 from controller.flow import FlowConfig
 from controller.options import CacheConfig, ClusterConfig, ControllerOptions, WorkerConfig
@@ -153,6 +154,8 @@ class TokenflowConfig(BaseSettings):
         "Ray and Serve: resources, restarts, namespace, the HTTP edge."))
     recovery: RecoveryConfig = Field(default_factory=RecoveryConfig, description=(
         "Dead and hung workers: step deadlines, restart backoff, poison requests."))
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig, description=(
+        "The /metrics exporter: tenant label cap, SLO reference lines."))
 
     def __init__(self, **data: Any) -> None:
         check_env()

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from controller.messages import Ack, Delta, SamplingParams
+from controller.request_metrics import MetricsSnapshot
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,10 @@ class ControllerClient(Protocol):
         ...
 
     def abort(self, request_id: str) -> None: ...
+
+    async def metrics_snapshot(self) -> MetricsSnapshot: ...
+
+    def record_rejection(self, kind: str) -> None: ...
 
 
 def _unwrap(err: Exception) -> Exception:
@@ -55,6 +60,13 @@ class RayControllerClient:
 
     async def ping(self) -> dict[str, Any]:
         return await self.handle.ping.remote()
+
+    async def metrics_snapshot(self) -> MetricsSnapshot:
+        return await self.handle.metrics_snapshot.remote()
+
+    def record_rejection(self, kind: str) -> None:
+        # Fire and forget: counting must never delay or fail the refusal itself.
+        contextvars.Context().run(self.handle.record_rejection.remote, kind)
 
     def abort(self, request_id: str) -> None:
         # Fire and forget: this runs in `finally` blocks of cancelled tasks, which must not

@@ -38,8 +38,10 @@ from cluster.frontend import (
     TextStream,
     openai_finish_reason,
 )
+from cluster.metrics import CONTENT_TYPE, render
 from controller.core import NoWorkerUpError, QueueFullError
 from controller.messages import Delta, FinishReason
+from controller.request_metrics import CIRCUIT_BREAKER
 from workers.tokenizer import Tokenizer
 
 
@@ -82,6 +84,8 @@ class OpenAIServer:
         try:
             prepared = frontend.prepare(url, await request.body())
         except p.ProtocolError as err:
+            if err.code == "prompt_too_long":  # the circuit breaker: counted centrally
+                self.client.record_rejection(CIRCUIT_BREAKER)
             return error_response(err)
         request_id = p.new_chat_completion_id() if prepared.is_chat else p.new_completion_id()
         try:
@@ -127,6 +131,16 @@ class OpenAIServer:
         headers = None if status["ok"] else {
             "Retry-After": str(self.config.cluster.retry_after_s)}
         return JSONResponse(status, status_code=200 if status["ok"] else 503, headers=headers)
+
+    async def metrics(self) -> Response:
+        """Prometheus text from the controller's one snapshot: identical on every replica."""
+        try:
+            snap = await asyncio.wait_for(self.client.metrics_snapshot(),
+                                          self.config.cluster.ready_wait_s)
+        except Exception as err:
+            return self.unavailable(err)
+        body = render(snap, self.config.metrics, self.config.calibration.itl_slo_ms / 1e3)
+        return Response(body, media_type=CONTENT_TYPE)
 
     def unavailable(self, err: Exception) -> JSONResponse:
         if isinstance(err, TimeoutError):
@@ -231,6 +245,7 @@ class TokenflowIngress:
         self.config = TokenflowConfig(**(config or {}))
         handle = get_or_create_controller(self.config.controller_options())
         self.server = OpenAIServer(self.config, RayControllerClient(handle))
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
 
     @app.post(COMPLETIONS)
     async def completions(self, request: Request) -> Response:
@@ -247,6 +262,13 @@ class TokenflowIngress:
     @app.get("/health")
     async def health(self) -> Response:
         return await self.server.health()
+
+    @app.get("/metrics")
+    async def metrics(self) -> Response:
+        response = await self.server.metrics()
+        # Which replica answered: any replica's scrape must read the same.
+        response.headers["X-Tokenflow-Replica"] = self.replica_id
+        return response
 
 
 def build_app(args: dict[str, Any] | None = None) -> serve.Application:

@@ -28,11 +28,12 @@ from typing import Any
 
 import ray
 
-from controller.core import ControllerCore, PoolSpec
+from controller.core import ControllerCore, PoolSpec, QueueFullError
 from controller.messages import Ack, Delta, SamplingParams
 from controller.options import ControllerOptions
 from controller.policies import make_scheduler_class
 from controller.request import Request, RequestOutput
+from controller.request_metrics import QUEUE_FULL, MetricsSnapshot, RequestMetrics
 from controller.streams import Subscriber
 from controller.worker_loop import WorkerSlot
 
@@ -103,6 +104,7 @@ class ControllerActor:
         self._start_task: asyncio.Task[None] | None = None
         self.waiting_for: str | None = None  # why startup has not finished, once it is slow
         self._num_starting = 0  # worker actors created, not yet answering
+        self.request_metrics = RequestMetrics()  # latencies measured where deltas leave
 
     # -- startup ------------------------------------------------------------------------
     async def _started(self) -> ControllerCore:
@@ -181,8 +183,13 @@ class ControllerActor:
         core = await self._started()
         # Get-or-create: Ray may start this call before the subscriber's `subscribe`.
         sub = self._subscribers.setdefault(subscriber, Subscriber())
-        request, worker = self._admit(core, prompt_token_ids, params, request_id, priority,
-                                      tenant)
+        try:
+            request, worker = self._admit(core, prompt_token_ids, params, request_id,
+                                          priority, tenant)
+        except QueueFullError:
+            self.request_metrics.on_reject(QUEUE_FULL)
+            raise
+        self.request_metrics.on_admit(request)
         sub.add(request.request_id, worker)
         self._subscriber_of[request.request_id] = sub
         return Ack(request.request_id, worker, request.num_prompt_tokens)
@@ -222,6 +229,8 @@ class ControllerActor:
         return True
 
     def _deliver(self, out: RequestOutput) -> None:
+        assert self.core is not None
+        self.request_metrics.on_output(out, self.core.clock())
         subscriber = self._subscriber_of.get(out.request_id)
         if subscriber is not None:
             subscriber.push(out)
@@ -233,6 +242,17 @@ class ControllerActor:
                 "num_streams": len(self._subscriber_of),
                 "num_subscribers": len(self._subscribers), "num_aborted": self.num_aborted,
                 "num_unfinished": len(self.core.request_to_worker) if self.core else 0}
+
+    async def metrics_snapshot(self) -> MetricsSnapshot:
+        """What `/metrics` renders; answers at once, with no workers while they start."""
+        core = self.core
+        workers = [core.worker_stats(w) for w in range(core.num_workers)] if core else []
+        return MetricsSnapshot(workers, self.request_metrics.snapshot())
+
+    async def record_rejection(self, kind: str) -> None:
+        """The edge refused a request before any other controller call (422): counted
+        here so that every ingress replica reports the same total."""
+        self.request_metrics.on_reject(kind)
 
     async def step_records(self, worker: int) -> list[tuple[int, int, float, float, float]]:
         """Recent steps of one worker: (requests, tokens, wall s, worker compute s, actor

@@ -17,6 +17,13 @@ from dataclasses import dataclass, field
 
 from controller.events import DoubleBufferedEventQueue
 from controller.flow import FlowConfig, FlowControl
+from controller.histogram import (
+    SCORE_BUCKETS,
+    STEP_DURATION_BUCKETS_S,
+    TOKEN_BUCKETS,
+    Histogram,
+    HistogramSnapshot,
+)
 from controller.messages import CacheEvict, ChunkComplete, SamplingParams, StepPlan, StepResult
 from controller.protections import (
     CostModel,
@@ -86,6 +93,17 @@ class EventStats:
 
 
 @dataclass
+class StepHistograms:
+    """Per-step observations of one worker, bounded (fixed buckets)."""
+
+    budget_tokens: Histogram = field(default_factory=lambda: Histogram(TOKEN_BUCKETS))
+    decode_tokens: Histogram = field(default_factory=lambda: Histogram(TOKEN_BUCKETS))
+    prefill_tokens: Histogram = field(default_factory=lambda: Histogram(TOKEN_BUCKETS))
+    duration_s: Histogram = field(default_factory=lambda: Histogram(STEP_DURATION_BUCKETS_S))
+    budget_score: Histogram = field(default_factory=lambda: Histogram(SCORE_BUCKETS))
+
+
+@dataclass
 class WorkerState:
     """Everything the controller keeps per worker."""
 
@@ -100,6 +118,8 @@ class WorkerState:
     # step runs are handled before the next plan.
     events: DoubleBufferedEventQueue[Event] = field(default_factory=DoubleBufferedEventQueue)
     event_stats: EventStats = field(default_factory=EventStats)
+    step_histograms: StepHistograms = field(default_factory=StepHistograms)
+    step_started: float | None = None  # clock() at the last begin_step
     # Outputs of requests a protection aborted outside `finish_step`; returned by the next.
     outbox: list[RequestOutput] = field(default_factory=list)
 
@@ -139,6 +159,15 @@ class WorkerStats:
     num_chunk_complete: int
     num_cache_evict: int
     last_evict_kv_usage: float
+    is_up: bool
+    flow_kv_usage: float  # the usage flow control last saw (cache pressure hysteresis)
+    flow_transition_to_count: dict[tuple[str, str], int]
+    num_prefill_pending: int  # requests still needing prefill chunks (the chunk queue)
+    step_budget_tokens: HistogramSnapshot
+    step_decode_tokens: HistogramSnapshot
+    step_prefill_tokens: HistogramSnapshot
+    step_duration_s: HistogramSnapshot
+    budget_score: HistogramSnapshot
 
 
 class ControllerCore:
@@ -256,7 +285,19 @@ class ControllerCore:
         state.outbox.extend(self._handle_events(state))
         plan = state.scheduler.schedule(self._limits(state))
         self._queue_evicts(state)  # preemptions inside schedule() released blocks
+        state.step_started = self.clock()
+        if plan.total_num_scheduled_tokens:
+            self._observe_plan(state, plan)
         return plan
+
+    @staticmethod
+    def _observe_plan(state: WorkerState, plan: StepPlan) -> None:
+        sched, hists = state.scheduler, state.step_histograms
+        num_prefill = sum(n for rid, n in plan.num_scheduled_tokens.items()
+                          if rid in sched.requests and sched.requests[rid].is_prefilling)
+        hists.budget_tokens.observe(sched.config.max_num_batched_tokens)
+        hists.prefill_tokens.observe(num_prefill)
+        hists.decode_tokens.observe(plan.total_num_scheduled_tokens - num_prefill)
 
     def finish_step(self, worker: int, plan: StepPlan,
                     result: StepResult) -> list[RequestOutput]:
@@ -267,12 +308,17 @@ class ControllerCore:
         outputs = state.outbox + sched.update_from_output(plan, result)
         state.outbox = []
         now = self.clock()
+        if state.step_started is not None:
+            state.step_histograms.duration_s.observe(now - state.step_started)
+            state.step_started = None
         flow.on_kv_usage(sched.kv.pool.usage, now)
         if result.bandwidth_utilization is not None:
             flow.on_bandwidth(result.bandwidth_utilization, now)
         for out in outputs:
             if out.num_output_tokens == 1 and out.new_token_ids:
-                protections.on_prefill_done(out.request_id)
+                score = protections.on_prefill_done(out.request_id)
+                if score is not None:
+                    state.step_histograms.budget_score.observe(score)
             if out.finished:
                 self.request_to_worker.pop(out.request_id, None)
                 protections.forget(out.request_id)
@@ -341,6 +387,7 @@ class ControllerCore:
         for request in sched.waiting.values():
             tenant_to_num_waiting[request.tenant] = tenant_to_num_waiting.get(
                 request.tenant, 0) + 1
+        hists = state.step_histograms
         return WorkerStats(
             num_blocks=pool.num_blocks, num_free_blocks=pool.num_free,
             num_used_blocks=pool.num_used, num_cached_blocks=pool.num_cached,
@@ -362,7 +409,15 @@ class ControllerCore:
             last_budget_score=prot.stats.last_budget_score, is_degraded=state.degraded,
             num_chunk_complete=events.num_chunk_complete,
             num_cache_evict=events.num_cache_evict,
-            last_evict_kv_usage=events.last_evict_kv_usage)
+            last_evict_kv_usage=events.last_evict_kv_usage, is_up=state.is_up,
+            flow_kv_usage=flow.kv_usage,
+            flow_transition_to_count=dict(flow.stats.transition_to_count),
+            num_prefill_pending=sum(not r.is_decoding for r in sched.requests.values()),
+            step_budget_tokens=hists.budget_tokens.snapshot(),
+            step_decode_tokens=hists.decode_tokens.snapshot(),
+            step_prefill_tokens=hists.prefill_tokens.snapshot(),
+            step_duration_s=hists.duration_s.snapshot(),
+            budget_score=hists.budget_score.snapshot())
 
     # -- worker failure -------------------------------------------------------------------
     def worker_failed(self, worker: int, max_failures_per_request: int = 2

@@ -104,6 +104,8 @@ class _Held:
 class FlowStats:
     transitions: int = 0
     mode_to_count: dict[str, int] = field(default_factory=dict)
+    # (old mode, new mode) -> count: `log` is bounded, these counters are not lost.
+    transition_to_count: dict[tuple[str, str], int] = field(default_factory=dict)
 
 
 class FlowControl:
@@ -203,4 +205,6 @@ class FlowControl:
             self.log.append(Transition(now, self._mode, mode, reason))
             self.stats.transitions += 1
             self.stats.mode_to_count[mode.name] = self.stats.mode_to_count.get(mode.name, 0) + 1
+            key = (self._mode.name, mode.name)
+            self.stats.transition_to_count[key] = self.stats.transition_to_count.get(key, 0) + 1
             self._mode = mode

@@ -34,6 +34,7 @@ class FakeClient:
         self.tokens, self.refuse, self.error = tokens, refuse, error
         self.aborted: list[str] = []
         self.started: list[str] = []
+        self.rejections: list[str] = []
 
     async def model_info(self) -> dict[str, Any]:
         return {"vocab_size": 512, "max_model_len": 1024,
@@ -65,6 +66,9 @@ class FakeClient:
 
     def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
+
+    def record_rejection(self, kind: str) -> None:
+        self.rejections.append(kind)
 
 
 def make_client(fake: FakeClient, **config: Any) -> TestClient:
@@ -116,6 +120,7 @@ def test_over_cap_prompt_is_422_without_a_controller_call() -> None:
     resp = make_client(fake).post(COMPLETIONS, json={**BODY, "prompt": "y" * 200})
     assert resp.status_code == 422 and resp.json()["error"]["code"] == "prompt_too_long"
     assert fake.started == []
+    assert fake.rejections == ["circuit_breaker"]  # counted at the controller, once
 
 
 def test_stream_with_usage_ends_in_done() -> None:
