@@ -67,6 +67,9 @@ class CalibrationConfig(BaseModel):
     plan_decodes: int | None = Field(None, ge=0, description=(
         "Decodes a step may carry besides its chunk when the budget is planned (every mix "
         "up to this stays under the SLO); None: the largest calibrated decode batch."))
+    plan_decode_context_tokens: int | None = Field(None, ge=0, description=(
+        "Context the planned decodes are priced at (where running requests decode, not the "
+        "chunk's depth); None: the deepest calibrated decode context."))
     warmup: int = Field(5, ge=0, description=(
         "Calibration runs discarded per point (5: the first runs pay for compilation and "
         "caches)."))
