@@ -25,10 +25,10 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from controller.budget import BudgetTable, LinearStepCost
 from controller.core import DegradedConfig
 from controller.flow import FlowConfig
 from controller.options import CacheConfig, ClusterConfig, ControllerOptions, WorkerConfig
-from controller.budget import BudgetTable, LinearStepCost
 from controller.protections import CostModel, ProtectionConfig, per_token_cost_model
 from controller.scheduler import SchedulerConfig
 from controller.worker_loop import RecoveryConfig
