@@ -108,7 +108,7 @@ def _config(cfg: PoliciesConfig, policy: str, scheduler: dict[str, Any] | None =
         worker={"model": cfg.model},
         cache={"num_kv_blocks": cfg.num_kv_blocks, "enable_prefix_caching": False},
         scheduler={"scheduling_policy": policy, **(scheduler or {})},
-        calibration=calibration or {})
+        calibration=calibration or {"auto": False})  # baselines: their fixed budgets
 
 
 def decode_step_s(engine: LocalEngine, clock: VirtualClock, cfg: PoliciesConfig) -> float:
@@ -128,7 +128,7 @@ def _user_context(cfg: PoliciesConfig) -> int:
 
 
 def calibrate(cfg: PoliciesConfig, itl_slo_ms: float) -> tuple[BudgetTable, Calibrator]:
-    base = TokenflowConfig(worker={"model": cfg.model})
+    base = TokenflowConfig(worker={"model": cfg.model}, calibration={"auto": False})
     cal, block_size = base.calibration, base.cache.block_size
     spec = CalibrationSpec(
         model=cfg.model, dtype=base.worker.dtype, device=base.worker.device,

@@ -7,7 +7,8 @@ a new model is fitted on the window: least squares over the step's fixed cost, t
 (query, key) pairs, decodes and decode pairs when the window varies enough to tell them
 apart and that fit is the better one, else the current model scaled by the median
 measured / predicted ratio (a device that got uniformly slower or faster). The window
-then starts afresh, so one drift gives one refit. Torch-free.
+then starts afresh, so one drift gives one refit; a refit that would not predict the
+window better is dropped (noise, not drift). Torch-free.
 """
 
 from __future__ import annotations
@@ -56,9 +57,11 @@ class OnlineRefit:
         samples = [s for s, _ in self.window]
         refit, how = _refit(samples, cost)
         self.window.clear()
-        self.num_refits += 1
         before = statistics.median(_errors(samples, cost))
         after = statistics.median(_errors(samples, refit))
+        if after >= before:  # noise, not drift: keep the model
+            return None
+        self.num_refits += 1
         logger.warning("cost model refitted (%s) on %d steps: median error %.0f%% -> %.0f%%",
                        how, len(samples), 100 * before, 100 * after)
         return refit
