@@ -7,7 +7,7 @@ Each step, for one worker, in this order and never past `max_num_batched_tokens`
 3. waiting requests, by (priority, arrival): admitted with their first chunk.
 `StepLimits` (from flow control and the protections) narrows a step further.
 
-Nobody queues behind a long prompt: a prompt whose prefill left exceeds
+Nobody queues behind a long prompt: a prompt longer than
 `long_prefill_token_threshold` is long; at most `max_long_partial_prefills` long prompts
 are chunked at once (a long waiting prompt over that cap is passed over, not blocking the
 queue), and while short prompts wait, long chunks leave them `short_prefill_share` of the
@@ -51,10 +51,10 @@ class SchedulerConfig:
     max_chunk_tokens: int | None = setting(None, ge=1, description=(
         "Cap on one prefill chunk; None means the whole budget."))
     long_prefill_token_threshold: int | None = setting(None, ge=1, description=(
-        "A prompt with more prefill tokens left than this is long: capped by "
+        "A prompt (with its generated tokens) longer than this is long: capped by "
         "max_long_partial_prefills, and leaving short_prefill_share of each step's "
-        "prefill budget to short prompts. None: short_prefill_share x "
-        "max_num_batched_tokens (a short prompt then fits in the reserved share)."))
+        "prefill budget to short prompts. None: max_num_batched_tokens (a prompt that "
+        "fits in one step is short)."))
     max_long_partial_prefills: int = setting(1, ge=1, description=(
         "Long prompts being chunked at once; a further long prompt waits without "
         "blocking short ones behind it (vLLM's max_long_partial_prefills)."))
@@ -289,10 +289,11 @@ class Scheduler:
         cfg = self.config
         if cfg.long_prefill_token_threshold is not None:
             return cfg.long_prefill_token_threshold
-        return max(int(cfg.short_prefill_share * cfg.max_num_batched_tokens), 1)
+        return cfg.max_num_batched_tokens
 
     def is_long(self, request: Request) -> bool:
-        return request.num_tokens_to_compute > self.long_threshold
+        """By its whole length, so a long prompt's tail stays long (and counted)."""
+        return request.num_tokens > self.long_threshold
 
     def _schedule_prefills(self, budget: int, max_chunks: int, scheduled: dict[str, int],
                            chunk_cap: int | None, allow_admission: bool,
@@ -311,13 +312,21 @@ class Scheduler:
         weights = self.config.tenant_weights
         shares = split_budget(budget, (r.tenant for r in candidates), weights)
         waiting_tenants = {r.tenant for r in waiting}
-        # With one chunk a step (throttled) there is no room to share: order decides.
-        short_need = sum(r.num_tokens_to_compute for r in waiting if not self.is_long(r)) \
-            if max_chunks > 1 and len(self.running) < self.config.max_num_seqs else 0
-        reserve = min(short_need, math.ceil(self.config.short_prefill_share * budget))
+        # With one chunk a step (throttled) there is no room to share: order decides. The
+        # reserve holds the first short prompt whole even past the share, but long chunks
+        # keep one grid unit a step (a stream of short prompts never starves them).
+        shorts = [r.num_tokens_to_compute for r in partial if not self.is_long(r)]
+        if len(self.running) < self.config.max_num_seqs:
+            shorts += [r.num_tokens_to_compute for r in waiting if not self.is_long(r)]
+        if max_chunks == 1:
+            shorts = []
+        reserve = min(sum(shorts), max(math.ceil(self.config.short_prefill_share * budget),
+                                       shorts[0] if shorts else 0),
+                      max(budget - self.chunk_unit, 0))
         long_budget = budget - reserve
         num_long = sum(1 for r in partial if self.is_long(r))
-        num_chunks, admission_blocked = 0, False
+        held_back = False  # a long chunk left the reserve's time to the short prompts
+        num_chunks, blocked = 0, set()  # classes (is_long) whose head could not be admitted
         for lending in (False, True):
             for request in candidates:
                 if budget == 0 or num_chunks >= max_chunks:
@@ -334,7 +343,7 @@ class Scheduler:
                 # A long chunk leaves the reserve's time too; a short prompt inside the
                 # reserve is never cut by time (the long chunk left it room).
                 reserved = reserve if is_long else 0
-                floor = request.num_tokens_to_compute if not is_long and \
+                floor = request.num_tokens_to_compute if not is_long and held_back and \
                     request.num_tokens_to_compute <= reserve else 0
                 if request.status == RequestStatus.RUNNING:
                     num_new = self._chunk_len(request, limit, chunk_cap, reserved, floor)
@@ -344,14 +353,15 @@ class Scheduler:
                 else:
                     if is_long and num_long >= self.config.max_long_partial_prefills:
                         continue  # passed over: the short prompts behind it still go
-                    if (admission_blocked or not may_admit()
+                    if (is_long in blocked or not may_admit()
                             or not self._may_admit(request, waiting_tenants)):
                         continue
                     num_new = self._admit(request, limit, chunk_cap, reserved, floor)
                     if num_new == 0:
-                        # FCFS: a later, smaller request must not overtake the head
-                        # forever, so admission stops for this step.
-                        admission_blocked = True
+                        # FCFS within a class: a later, smaller request must not overtake
+                        # the head forever, so its class stops for this step. A long head
+                        # does not hold up short prompts (they are bounded by the reserve).
+                        blocked.add(is_long)
                         continue
                     num_long += is_long
                 scheduled[request.request_id] = num_new
@@ -360,6 +370,7 @@ class Scheduler:
                 budget -= num_new
                 if is_long:
                     long_budget -= num_new
+                    held_back = held_back or reserved > 0
                 elif floor:
                     reserve = max(reserve - num_new, 0)
                 num_chunks += 1
