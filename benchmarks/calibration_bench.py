@@ -89,7 +89,8 @@ def run(quick: bool, out_dir: Path, model: str | None = None, warmup: int = WARM
                               bandwidth_headroom=cal.bandwidth_headroom,
                               chunk_efficiency=cal.chunk_efficiency,
                               plan_context_tokens=cal.plan_context_tokens,
-                              plan_decodes=cal.plan_decodes)
+                              plan_decodes=cal.plan_decodes,
+                              plan_decode_context_tokens=cal.plan_decode_context_tokens)
     for point in held:
         point["predicted_s"] = table.predict(point["tokens"], point["context"])
         point["rel_error"] = abs(point["predicted_s"] - point["mean_s"]) / point["mean_s"]

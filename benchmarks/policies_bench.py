@@ -9,8 +9,9 @@ Same engine, same model (builtin:bench; builtin:tiny with --quick), three schedu
 1. ITL SLO: SLO_FACTOR x the measured decode-only step of the scene's users (unless given).
    5x is Sarathi-Serve's "strict" SLO: five decode iterations without prefill interference.
 2. Budgets: tokenflow's from a calibration run in this process (workers/calibrate.py,
-   BudgetTable.recommend for the SLO at the deepest calibrated depth, the long prompt's,
-   with the chunk alone planned: see PLAN_DECODES); prefill-first
+   BudgetTable.recommend for the SLO with the scene's users planned as decodes at their own
+   context; the scheduler then sizes each chunk per step with the table's cost model at
+   the long prompt's current depth); prefill-first
    with vLLM V0's default max(max_model_len, 2048) = 8192 (whole prompts; the budget only
    caps how many share a step); prefill-priority-chunked with 2048, the usual online
    default for chunked prefill: a budget of tokenflow's size would not shorten its stall
@@ -60,13 +61,6 @@ RESULTS = Path(__file__).resolve().parent / "results"
 THREADS = 1
 SLO_FACTOR = 5.0  # Sarathi-Serve's strict SLO: 5x a decode iteration
 TTFT_FACTOR = 5.0  # P99 TTFT bound: 5x the predicted one-shot prefill of the longest prompt
-# The table plans every decode of a step at the planning depth (4096 here: the long prompt).
-# The scene's users decode at <= 384 tokens, so that plan prices 16 decodes at 4096 each and
-# leaves no budget (one block, "unreachable"). Planning the chunk alone at the deepest depth
-# (0 decodes) is the calibrator's "prefill_only" budget; its chunk-size rule (90 % of the best
-# prefill rate) keeps the chunk below the budget, and the measured P99 ITL says whether the
-# users' decodes still fit under the SLO.
-PLAN_DECODES = 0
 BASELINE_BUDGETS = {"prefill-first": 8192, "prefill-priority-chunked": 2048}
 QUIET_LOGGERS = ("tokenflow.flow", "tokenflow.protections", "tokenflow.slow_requests")
 
@@ -114,7 +108,7 @@ def _config(cfg: PoliciesConfig, policy: str, scheduler: dict[str, Any] | None =
         worker={"model": cfg.model},
         cache={"num_kv_blocks": cfg.num_kv_blocks, "enable_prefix_caching": False},
         scheduler={"scheduling_policy": policy, **(scheduler or {})},
-        calibration=calibration or {})
+        calibration=calibration or {"auto": False})  # baselines: their fixed budgets
 
 
 def decode_step_s(engine: LocalEngine, clock: VirtualClock, cfg: PoliciesConfig) -> float:
@@ -129,8 +123,12 @@ def decode_step_s(engine: LocalEngine, clock: VirtualClock, cfg: PoliciesConfig)
     return statistics.median(full[-cfg.probe_steps:])
 
 
+def _user_context(cfg: PoliciesConfig) -> int:
+    return cfg.scene.user_prompt + cfg.scene.user_output  # the deepest a user decodes at
+
+
 def calibrate(cfg: PoliciesConfig, itl_slo_ms: float) -> tuple[BudgetTable, Calibrator]:
-    base = TokenflowConfig(worker={"model": cfg.model})
+    base = TokenflowConfig(worker={"model": cfg.model}, calibration={"auto": False})
     cal, block_size = base.calibration, base.cache.block_size
     spec = CalibrationSpec(
         model=cfg.model, dtype=base.worker.dtype, device=base.worker.device,
@@ -144,7 +142,8 @@ def calibrate(cfg: PoliciesConfig, itl_slo_ms: float) -> tuple[BudgetTable, Cali
     table = BudgetTable.build(calibrator.run(), itl_slo_ms=itl_slo_ms,
                               bandwidth_headroom=cal.bandwidth_headroom,
                               chunk_efficiency=cal.chunk_efficiency,
-                              plan_context_tokens=None, plan_decodes=None)
+                              plan_context_tokens=None, plan_decodes=cfg.scene.num_users,
+                              plan_decode_context_tokens=_user_context(cfg))
     return table, calibrator
 
 
@@ -174,8 +173,7 @@ def _run(cfg: PoliciesConfig, out_dir: Path, itl_slo_ms: float | None) -> dict[s
     out_dir.mkdir(parents=True, exist_ok=True)
     table.save(budget_file)
     clocks = {p: VirtualClock() for p in POLICIES}
-    tokenflow = {"budget_file": budget_file, "itl_slo_ms": slo_ms,
-                 "plan_decodes": PLAN_DECODES}
+    tokenflow = {"budget_file": budget_file, "itl_slo_ms": slo_ms}
     engines = {p: LocalEngine(_config(
         cfg, p, calibration=tokenflow) if p == "tokenflow" else _config(
         cfg, p, scheduler={"max_num_batched_tokens": BASELINE_BUDGETS[p]}), clock=clocks[p])
@@ -183,7 +181,7 @@ def _run(cfg: PoliciesConfig, out_dir: Path, itl_slo_ms: float | None) -> dict[s
     block = engines["tokenflow"].config.cache.block_size
     kv_tokens = cfg.num_kv_blocks * block
     budget = table.recommend_detail(slo_ms, block_size=block, kv_capacity_tokens=kv_tokens,
-                                    decodes=PLAN_DECODES)
+                                    context=0)  # what the engine's config plans
     vocab = probe.worker.vocab_size
     for name, engine in engines.items():
         warm_up(engine, clocks[name], [random_prompt(random.Random(7), 48, vocab)]
@@ -233,9 +231,9 @@ def _run(cfg: PoliciesConfig, out_dir: Path, itl_slo_ms: float | None) -> dict[s
                     "decode_step_ms": step_s * 1e3, "slo_factor": SLO_FACTOR,
                     "budget_at_3x_decode_step": table.recommend_detail(
                         3e3 * step_s, block_size=block, kv_capacity_tokens=kv_tokens,
-                        decodes=PLAN_DECODES)},
+                        context=0)},
         "budgets": {"tokenflow": budget,
-                    "tokenflow_if_decodes_planned_at_depth": table.recommend_detail(
+                    "tokenflow_planned_at_deepest_depth": table.recommend_detail(
                         slo_ms, block_size=block, kv_capacity_tokens=kv_tokens),
                     **{p: {"max_num_batched_tokens": b}
                                             for p, b in BASELINE_BUDGETS.items()}},
@@ -248,7 +246,8 @@ def _run(cfg: PoliciesConfig, out_dir: Path, itl_slo_ms: float | None) -> dict[s
         "offline": offline,
         "analysis": {"budget": budget, "itl_slo_ms": slo_ms, "decode_step_ms": step_s * 1e3,
                      "plan_context_tokens": table.limits["plan_context_tokens"],
-                     "plan_decodes": PLAN_DECODES,
+                     "plan_decodes": table.limits["plan_decodes"],
+                     "plan_decode_context_tokens": table.limits["plan_decode_context_tokens"],
                      "long_prompt": spec.long_prompt,
                      "predicted_one_shot_long_prefill_s": table.predict(spec.long_prompt, 0),
                      "slowest_step_predicted_ms": slowest_predicted * 1e3,

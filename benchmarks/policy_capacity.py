@@ -75,6 +75,9 @@ class TrialRunner:
                 "median_itl_ms": itl["median_ms"], "max_itl_ms": itl["max_ms"],
                 "p99_ttft_s": ttft_ms["p99_ms"] / 1e3, "median_ttft_s": ttft_ms["median_ms"] / 1e3,
                 "aborted": aborted, "steps": len(trace.steps),
+                # What each P99 rests on: a P99 of n samples is about the (n/100)-th worst.
+                "num_requests": len(reqs), "num_itl_samples": itl["n"],
+                "num_ttft_samples": ttft_ms["n"],
                 "total_tokens_per_s": throughput(trace)["total_tokens_per_s"]}
 
 

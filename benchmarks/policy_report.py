@@ -145,6 +145,16 @@ def attach_targets(report: dict[str, Any], profiles: dict[str, Any]) -> None:
             tf_itl / pf_itl, ITL_VS_PREFILL_FIRST, "<=", "tokenflow / prefill-first decoder "
             "P99 ITL during the long prefill", tokenflow_p99_itl_ms=tf_itl,
             prefill_first_p99_itl_ms=pf_itl),
+        "p99_itl_whole_scene_vs_slo": target(
+            scene[TF]["itl_whole_scene"]["p99_ms"] / slo, 1.0, "<=",
+            "tokenflow's users' P99 ITL over the whole scene / ITL SLO",
+            tokenflow_p99_itl_ms=scene[TF]["itl_whole_scene"]["p99_ms"], itl_slo_ms=slo),
+        "short_ttft_vs_two_slo_steps": target(
+            scene[TF]["short_ttft_s"] / (2 * slo / 1e3), 1.0, "<=",
+            "tokenflow's TTFT of a short prompt landing two steps into the long prefill / "
+            "two SLO-long steps (it must not queue behind the long prompt; under the "
+            "prefill-first policies those two steps already hold the whole long prefill)",
+            tokenflow_s=scene[TF]["short_ttft_s"], prefill_first_s=scene[PF]["short_ttft_s"]),
         "long_ttft_vs_prefill_first": target(
             scene[TF]["long_ttft_s"] / scene[PF]["long_ttft_s"], TTFT_VS_PREFILL_FIRST, "<=",
             "tokenflow / prefill-first TTFT of the long request",
@@ -172,6 +182,10 @@ def attach_targets(report: dict[str, Any], profiles: dict[str, Any]) -> None:
         "p99_itl_during_long_prefill_vs_prefill_first": lambda: _itl_why(scene, analysis,
                                                                          profiles),
         "long_ttft_vs_prefill_first": lambda: _ttft_why(scene, analysis, profiles),
+        "p99_itl_whole_scene_vs_slo": lambda: _itl_why(scene, analysis, profiles),
+        "short_ttft_vs_two_slo_steps": lambda: (
+            f"the short prompt waited {scene[TF]['short_ttft_s']:.2f} s for its first token "
+            f"(ITL SLO {slo:.0f} ms): it queued behind the long prompt's chunks"),
         "total_tokens_per_s_vs_prefill_first": lambda: _throughput_why(scene, analysis),
         "capacity_vs_prefill_first": lambda: _capacity_why({**cap["policies"],
                                                             "ttft_bound_s": cap["ttft_bound_s"]}),

@@ -27,6 +27,7 @@ from benchmarks.virtual_time import Driver, Trace, VirtualClock, drive_together
 from cluster.engine import LocalEngine
 
 LONG_ID = "long-0"
+SHORT_ID = "short-0"
 
 
 def run_scenes(engines: dict[str, LocalEngine], clocks: dict[str, VirtualClock],
@@ -49,6 +50,8 @@ def scene_metrics(trace: Trace) -> dict[str, Any]:
     return {
         "long_arrival_s": t0 - trace.start_s,
         "long_ttft_s": ttft(long),
+        # A short prompt landing two steps into the long prefill: queued behind it or not.
+        "short_ttft_s": ttft(trace.requests[SHORT_ID]),
         "itl_during_long_prefill": summary_ms(during),
         "itl_whole_scene": summary_ms(itls(trace, users)),
         # Once the long request decodes, its 4k-token context rides in every decode step:

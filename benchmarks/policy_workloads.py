@@ -32,6 +32,8 @@ class SceneSpec:
     long_output: int
     decode_steps_before: int  # every user has decoded this many tokens when it lands
     seed: int = 4
+    short_prompt: int = 32  # a short prompt lands `short_after_steps` steps after the long
+    short_after_steps: int = 2
 
 
 def scene_users(spec: SceneSpec, vocab_size: int, start_s: float) -> list[Arrival]:
@@ -42,17 +44,25 @@ def scene_users(spec: SceneSpec, vocab_size: int, start_s: float) -> list[Arriva
 
 def long_prompt_hook(spec: SceneSpec, vocab_size: int) -> Hook:
     """Adds the long request at the end of the step after which every user has sampled
-    `decode_steps_before` tokens beyond its first (so all of them are mid-stream)."""
+    `decode_steps_before` tokens beyond its first (so all of them are mid-stream), and a
+    short one `short_after_steps` steps later (while the long prompt is prefilled)."""
     prompt = random_prompt(random.Random(spec.seed + 1), spec.long_prompt, vocab_size)
-    added = False
+    short = random_prompt(random.Random(spec.seed + 2), spec.short_prompt, vocab_size)
+    long_at: int | None = None
+    short_added = False
 
     def hook(trace: Trace, now: float) -> list[Arrival]:
-        nonlocal added
+        nonlocal long_at, short_added
+        if long_at is not None:
+            if short_added or len(trace.steps) - long_at < spec.short_after_steps:
+                return []
+            short_added = True
+            return [Arrival(now, "short-0", short, spec.long_output)]
         users = [trace.requests[rid] for rid in trace.ids("user-")]
-        if added or len(users) < spec.num_users or any(
+        if len(users) < spec.num_users or any(
                 len(u.token_times) < spec.decode_steps_before + 1 for u in users):
             return []
-        added = True
+        long_at = len(trace.steps)
         return [Arrival(now, "long-0", prompt, spec.long_output)]
 
     return hook

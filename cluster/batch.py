@@ -92,6 +92,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                     default=None)
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ap.add_argument("--no-calibrate", action="store_true", help=(
+        "fixed budgets: no budget table loaded or measured at start (calibration.auto)"))
     return ap.parse_args(argv)
 
 
@@ -101,7 +103,8 @@ def config_from_args(args: argparse.Namespace) -> TokenflowConfig:
         "scheduler.max_num_batched_tokens": args.max_num_batched_tokens,
         "scheduler.max_num_seqs": args.max_num_seqs, "cache.block_size": args.block_size,
         "cache.num_kv_blocks": args.num_kv_blocks,
-        "cache.enable_prefix_caching": args.enable_prefix_caching}))
+        "cache.enable_prefix_caching": args.enable_prefix_caching,
+        "calibration.auto": False if args.no_calibrate else None}))
 
 
 def main(argv: list[str] | None = None) -> int:

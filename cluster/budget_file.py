@@ -124,6 +124,7 @@ class Limits(_Part):
     chunk_efficiency: Fraction
     plan_context_tokens: NonNegInt
     plan_decodes: NonNegInt
+    plan_decode_context_tokens: NonNegInt | None = None  # absent in older tables
 
 
 class BindingRow(_Part):

@@ -112,7 +112,8 @@ def measure(spec: Any, cfg: TokenflowConfig, itl_slo_ms: float, progress: bool) 
                              bandwidth_headroom=cal.bandwidth_headroom,
                              chunk_efficiency=cal.chunk_efficiency,
                              plan_context_tokens=cal.plan_context_tokens,
-                             plan_decodes=cal.plan_decodes)
+                             plan_decodes=cal.plan_decodes,
+                             plan_decode_context_tokens=cal.plan_decode_context_tokens)
 
 
 def _symmetric(new: float, old: float) -> float:

@@ -16,6 +16,7 @@ an error naming the key: in keyword arguments (serve.yaml `args`), in nested sec
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import typing
 from pathlib import Path
@@ -25,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from cluster.metrics import MetricsConfig
+from controller.budget import BudgetTable, LinearStepCost
 from controller.core import DegradedConfig
 from controller.flow import FlowConfig
 from controller.options import CacheConfig, ClusterConfig, ControllerOptions, WorkerConfig
@@ -48,8 +50,16 @@ class CalibrationConfig(BaseModel):
 
     budget_file: Path | None = Field(None, description=(
         "Budget table written by `tokenflow calibrate`. When set, "
-        "scheduler.max_num_batched_tokens and scheduler.max_chunk_tokens come from its "
-        "recommendation for itl_slo_ms (the table wins)."))
+        "scheduler.max_num_batched_tokens comes from its recommendation for itl_slo_ms "
+        "(the table wins) and its cost model sizes each chunk under the SLO."))
+    auto: bool = Field(True, description=(
+        "Without budget_file: load the budget table of (model, device, dtype, block size, "
+        "tile) from cache_dir, or run a short calibration (under 30 s for builtin:tiny on "
+        "CPU) and cache it. False (`--no-calibrate`): the fixed scheduler budget and the "
+        "per-token cost model."))
+    cache_dir: Path | None = Field(None, description=(
+        "Folder of the cached budget tables; None: $TOKENFLOW_CACHE_DIR/budgets "
+        "(~/.cache/tokenflow/budgets)."))
     itl_slo_ms: float = Field(100.0, gt=0, description=(
         "Inter-token-latency SLO (ms) the budget is planned for: no step predicted longer."))
     weight_bits: int | None = Field(None, ge=1, le=32, description=(
@@ -64,10 +74,15 @@ class CalibrationConfig(BaseModel):
         "Chunk size: the smallest grid size reaching this share of the best predicted "
         "prefill throughput within the budget (smaller chunks pay the per-step cost often)."))
     plan_context_tokens: int | None = Field(None, ge=0, description=(
-        "Context depth the budget is planned at; None: the deepest calibrated depth."))
+        "Context depth the budget is planned at; None: the deepest calibrated depth in the "
+        "file's own recommendation, depth 0 for the running scheduler (its cost model "
+        "shrinks deeper chunks step by step)."))
     plan_decodes: int | None = Field(None, ge=0, description=(
         "Decodes a step may carry besides its chunk when the budget is planned (every mix "
         "up to this stays under the SLO); None: the largest calibrated decode batch."))
+    plan_decode_context_tokens: int | None = Field(None, ge=0, description=(
+        "Context the planned decodes are priced at (where running requests decode, not the "
+        "chunk's depth); None: the deepest calibrated decode context."))
     warmup: int = Field(5, ge=0, description=(
         "Calibration runs discarded per point (5: the first runs pay for compilation and "
         "caches)."))
@@ -161,36 +176,63 @@ class TokenflowConfig(BaseSettings):
         check_env()
         super().__init__(**data)
 
-    def scheduler_config(self) -> SchedulerConfig:
-        """A copy of `scheduler` (the comparison policies mutate theirs) with a budget
-        file's recommendation applied (the table wins)."""
+    def budget_table(self) -> BudgetTable | None:
+        """The budget file's table; else, with calibration.auto, the cached (or freshly
+        measured) one of this model, device and dtype; else None (fixed budgets)."""
         cal = self.calibration
-        if cal.budget_file is None:
-            return dataclasses.replace(self.scheduler)
-        from cluster.budget_file import load_budget_table
+        if cal.budget_file is not None:
+            from cluster.budget_file import load_budget_table
 
-        budget, chunk = load_budget_table(cal.budget_file).recommend(
+            return load_budget_table(cal.budget_file)
+        if not cal.auto:
+            return None
+        from cluster.auto_budget import load_or_calibrate
+
+        return load_or_calibrate(
+            self.worker.model, self.worker.device, self.worker.dtype, self.cache.block_size,
+            cal.tile_tokens, cache_dir=cal.cache_dir,
+            threads=max(math.floor(self.cluster.worker_num_cpus), 1),
+            itl_slo_ms=cal.itl_slo_ms, bandwidth_headroom=cal.bandwidth_headroom,
+            chunk_efficiency=cal.chunk_efficiency, decode_contexts=cal.decode_contexts,
+            memory_fraction=cal.memory_fraction)
+
+    def scheduler_config(self, table: BudgetTable | None = None) -> SchedulerConfig:
+        """A copy of `scheduler` (the comparison policies mutate theirs) with the budget
+        table's recommendation applied (the table wins); chunks are then sized per step
+        by its cost model, not by one fixed size."""
+        cal = self.calibration
+        if table is None:
+            return dataclasses.replace(self.scheduler)
+        context = 0 if cal.plan_context_tokens is None else cal.plan_context_tokens
+        budget, _ = table.recommend(
             cal.itl_slo_ms, block_size=self.cache.block_size,
             kv_capacity_tokens=self.cache.num_kv_blocks * self.cache.block_size,
-            context=cal.plan_context_tokens, decodes=cal.plan_decodes)
-        return dataclasses.replace(self.scheduler, max_num_batched_tokens=budget,
-                                   max_chunk_tokens=chunk)
+            context=context, decodes=cal.plan_decodes)
+        return dataclasses.replace(self.scheduler, max_num_batched_tokens=budget)
 
-    def cost_model(self) -> CostModel:
-        """predict(tokens, context) -> s: the budget table's fitted model when a budget file
-        is set (deviation warnings and budget_score then compare against measurements)."""
-        if self.calibration.budget_file is None:
+    def cost_model(self, table: BudgetTable | None = None) -> CostModel:
+        """predict(tokens, context) -> s: the budget table's fitted model when there is one
+        (deviation warnings and budget_score then compare against measurements)."""
+        if table is None:
             return per_token_cost_model(self.protections.seconds_per_token)
-        from cluster.budget_file import load_budget_table
+        return table.step_cost().chunk_s
 
-        return load_budget_table(self.calibration.budget_file).predict
+    def step_cost(self, table: BudgetTable | None) -> tuple[LinearStepCost | None,
+                                                              float | None]:
+        """(the step cost model, the ITL SLO in seconds) the scheduler sizes chunks with."""
+        if table is None:
+            return None, None
+        return table.step_cost(), self.calibration.itl_slo_ms / 1e3
 
     def controller_options(self) -> ControllerOptions:
         """What the controller actor takes (it does not import this module)."""
+        table = self.budget_table()
+        step_cost, itl_slo_s = self.step_cost(table)
         return ControllerOptions(
-            worker=self.worker, cache=self.cache, scheduler=self.scheduler_config(),
+            worker=self.worker, cache=self.cache, scheduler=self.scheduler_config(table),
             flow=self.flow, protections=self.protections, degraded=self.degraded,
-            cluster=self.cluster, recovery=self.recovery, cost_model=self.cost_model())
+            cluster=self.cluster, recovery=self.recovery, cost_model=self.cost_model(table),
+            step_cost=step_cost, itl_slo_s=itl_slo_s)
 
 
 def nest(dotted: dict[str, Any]) -> dict[str, dict[str, Any]]:

@@ -50,15 +50,18 @@ class LocalEngine:
 
             self.worker.telemetry = make_source(str(self.worker.device),
                                                 wcfg.peak_bandwidth_bytes_s)
-        scheduler = cfg.scheduler_config()
+        table = cfg.budget_table()
+        scheduler = cfg.scheduler_config(table)
+        step_cost, itl_slo_s = cfg.step_cost(table)
         self.core = ControllerCore(
             [PoolSpec(cache.num_kv_blocks, cache.block_size, cache.enable_prefix_caching)],
             scheduler, eos_token_ids=tuple(self.worker.eos_token_ids),
             max_model_len=wcfg.max_model_len, max_queue_len=cfg.protections.max_queue_len,
             vocab_size=self.worker.vocab_size, clock=clock or time.monotonic,
             flow_config=cfg.flow, protection_config=cfg.protections,
-            cost_model=cfg.cost_model(), degraded_config=cfg.degraded,
-            scheduler_cls=make_scheduler_class(scheduler.scheduling_policy))
+            cost_model=cfg.cost_model(table), degraded_config=cfg.degraded,
+            scheduler_cls=make_scheduler_class(scheduler.scheduling_policy),
+            step_cost=step_cost, itl_slo_s=itl_slo_s)
         self._pending: dict[str, deque[RequestOutput]] = defaultdict(deque)
         self.step_log: list[tuple[StepPlan, StepResult]] = []  # kept only when asked
         self.keep_step_log = False

@@ -36,6 +36,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--host", help="HTTP bind address (default 127.0.0.1)")
     ap.add_argument("--num-workers", type=int, help="CPU worker actors (no GPU present)")
     ap.add_argument("--served-model-name", help="name clients pass as `model`")
+    ap.add_argument("--no-calibrate", action="store_true", help=(
+        "fixed budgets: no budget table loaded or measured at start (calibration.auto)"))
     return ap.parse_args(argv)
 
 
@@ -43,6 +45,7 @@ def config_from_args(args: argparse.Namespace) -> TokenflowConfig:
     return TokenflowConfig(**nest({
         "worker.model": args.model, "worker.num_workers": args.num_workers,
         "worker.served_model_name": args.served_model_name,
+        "calibration.auto": False if args.no_calibrate else None,
         "cluster.port": args.port, "cluster.host": args.host}))
 
 

@@ -146,7 +146,8 @@ class ControllerActor:
             vocab_size=self.vocab_size, clock=asyncio.get_running_loop().time,
             flow_config=opts.flow, protection_config=opts.protections,
             cost_model=opts.cost_model, degraded_config=opts.degraded,
-            scheduler_cls=make_scheduler_class(opts.scheduler.scheduling_policy))
+            scheduler_cls=make_scheduler_class(opts.scheduler.scheduling_policy),
+            step_cost=opts.step_cost, itl_slo_s=opts.itl_slo_s)
         self.slots = [WorkerSlot(w, h, info, self.core, self._deliver, kill=self.kill_worker,
                                  recovery=opts.recovery)
                       for w, (h, info) in enumerate(zip(handles, infos, strict=True))]

@@ -12,8 +12,10 @@ up to the attention kernel's tile before they enter any formula (padding is paid
 Decode steps get their own (a, b, c) over (batch, batch * (context + 1)).
 
 The per-step budget is the largest token count on the chunk grid (multiples of the block
-size and of the tile) for which, at the planning context, every mix of one chunk and up to
-`plan_decodes` decodes (default: the largest calibrated batch) in the step keeps
+size and of the tile) for which, with the chunk at the planning context, every mix of one
+chunk and up to `plan_decodes` decodes (default: the largest calibrated batch) at their own
+context `plan_decode_context_tokens` (default: the deepest calibrated decode context, where
+running requests decode; not the chunk's depth) in the step keeps
 - the fitted step time under the ITL SLO,
 - FLOPs / measured peak under the SLO (compute),
 - bytes / (measured bandwidth * (1 - headroom)) under the SLO (bandwidth; the weight
@@ -27,7 +29,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import combinations
 from pathlib import Path
 from typing import Any
@@ -45,6 +47,45 @@ class CostModel:
 
     def __call__(self, tokens: float, pairs: float) -> float:
         return self.a + self.b * tokens + self.c * pairs
+
+
+@dataclass(frozen=True)
+class LinearStepCost:
+    """Predicted seconds of a whole step: its prefill chunks (tokens, context) and its
+    decodes, with the table's two fits. A step with a chunk pays the prefill model's fixed
+    cost once, each chunk its tokens and pairs, each decode the decode model's marginal
+    cost (decode rows are padded to the step's longest decode context). What the scheduler
+    sizes chunks with and the protections charge chunks by."""
+
+    prefill: CostModel
+    decode: CostModel
+    tile: int = 1
+
+    def chunk_s(self, tokens: int, context: int) -> float:
+        """A step that prefills one chunk alone (the protections' `CostModel`)."""
+        return self.step_s([(tokens, context)], 0, 0)
+
+    def marginal_s(self, tokens: int, context: int) -> float:
+        """What one chunk adds to a step that already runs."""
+        t = pad(tokens, self.tile)
+        return self.prefill.b * t + self.prefill.c * chunk_pairs(t, context)
+
+    def decode_marginal_s(self, num_decodes: int, decode_context: int) -> float:
+        dec = self.decode
+        return dec.b * num_decodes + dec.c * num_decodes * (decode_context + 1.0)
+
+    def step_s(self, chunks: Sequence[tuple[int, int]], num_decodes: int,
+               decode_context: int) -> float:
+        if not chunks:
+            return self.decode(num_decodes, num_decodes * (decode_context + 1.0))
+        return (self.prefill.a + sum(self.marginal_s(t, c) for t, c in chunks)
+                + self.decode_marginal_s(num_decodes, decode_context))
+
+    def scaled(self, factor: float) -> LinearStepCost:
+        """Every coefficient times `factor` (a device that got uniformly slower)."""
+        return replace(self, prefill=CostModel(*(factor * v for v in (
+            self.prefill.a, self.prefill.b, self.prefill.c))), decode=CostModel(*(
+                factor * v for v in (self.decode.a, self.decode.b, self.decode.c))))
 
 
 def pad(tokens: int, tile: int) -> int:
@@ -104,12 +145,19 @@ class BudgetTable:
         self.stats, self.hw, self.kv = stats, data["hardware"], data["kv"]
         self.bytes_fit, self.limits = fit["bytes"], data["limits"]
         self.max_tokens = max(p["tokens"] for p in data["prefill"])
+        # Tables written before decodes were priced at their own depth lack the key.
+        self.decode_context = self.limits.get("plan_decode_context_tokens", max(
+            d["context"] for d in data["decode"]))
+
+    def step_cost(self) -> LinearStepCost:
+        return LinearStepCost(self.prefill_model, self.decode_model, self.tile)
 
     # -- building, files -----------------------------------------------------------------
     @classmethod
     def build(cls, measured: dict[str, Any], *, itl_slo_ms: float, bandwidth_headroom: float,
               chunk_efficiency: float, plan_context_tokens: int | None,
-              plan_decodes: int | None = None) -> BudgetTable:
+              plan_decodes: int | None = None,
+              plan_decode_context_tokens: int | None = None) -> BudgetTable:
         """Fit the models on a calibration run's measurements and derive the table."""
         tile = measured["spec"]["tile_tokens"]
         pre, dec = measured["prefill"], measured["decode"]
@@ -124,6 +172,8 @@ class BudgetTable:
         plan = max(p["context"] for p in pre) if plan_context_tokens is None \
             else plan_context_tokens
         decodes = max(d["batch"] for d in dec) if plan_decodes is None else plan_decodes
+        decode_ctx = max(d["context"] for d in dec) if plan_decode_context_tokens is None \
+            else plan_decode_context_tokens
         data = {**measured,
                 "fit": {"prefill": _fit_summary(pre_rows, [p["mean_s"] for p in pre]),
                         "decode": _fit_summary(dec_rows, [d["mean_s"] for d in dec]),
@@ -132,7 +182,8 @@ class BudgetTable:
                                   "per_context_token": max(float(per_ctx), 0.0)}},
                 "limits": {"bandwidth_headroom": bandwidth_headroom,
                            "chunk_efficiency": chunk_efficiency, "plan_context_tokens": plan,
-                           "plan_decodes": decodes}}
+                           "plan_decodes": decodes,
+                           "plan_decode_context_tokens": decode_ctx}}
         table = cls(data)
         data["table"] = table.binding_table()
         data["recommendation"] = table.recommend_detail(itl_slo_ms)
@@ -169,18 +220,21 @@ class BudgetTable:
         marginal = dec.b * decode_tokens + dec.c * decode_tokens * (decode_context + 1.0)
         return self.predict(prefill_tokens, context) + marginal
 
-    def compute_s(self, prefill_tokens: int, context: int, decodes: int = 0) -> float:
+    def compute_s(self, prefill_tokens: int, context: int, decodes: int = 0,
+                  decode_context: int | None = None) -> float:
         t = pad(prefill_tokens, self.tile)
-        s = self.stats
+        s, dctx = self.stats, context if decode_context is None else decode_context
         flops = s["flops_per_token"] * (t + decodes) + s["flops_per_sample"] * decodes
-        flops += s["flops_per_pair"] * (chunk_pairs(t, context) + decodes * (context + 1.0))
+        flops += s["flops_per_pair"] * (chunk_pairs(t, context) + decodes * (dctx + 1.0))
         return flops / self.hw["peak_flops"]
 
-    def bandwidth_s(self, prefill_tokens: int, context: int, decodes: int = 0) -> float:
+    def bandwidth_s(self, prefill_tokens: int, context: int, decodes: int = 0,
+                    decode_context: int | None = None) -> float:
         """Seconds at the bandwidth that may be used (headroom kept free)."""
         t, fit = pad(prefill_tokens, self.tile), self.bytes_fit
         bits = self.stats["weight_bits"] / self.stats["measured_weight_bits"]
-        read_ctx = (context if t else 0) + decodes * context  # each decode reads its context
+        dctx = context if decode_context is None else decode_context
+        read_ctx = (context if t else 0) + decodes * dctx  # each decode reads its context
         nbytes = fit["weights"] * bits + fit["per_token"] * (t + decodes)
         nbytes += fit["per_context_token"] * read_ctx
         usable = self.hw["memory_bandwidth"] * (1.0 - self.limits["bandwidth_headroom"])
@@ -189,17 +243,18 @@ class BudgetTable:
     def _failures(self, tokens: int, slo_s: float, context: int, kv_tokens: int,
                   plan_decodes: int) -> list[str]:
         """Constraints a step of `tokens` violates (empty: allowed), for every mix of up to
-        `plan_decodes` decodes and one chunk (the extremes suffice: costs are convex)."""
-        failed = set()
+        `plan_decodes` decodes and one chunk (the extremes suffice: costs are convex). The
+        chunk sits at `context`, the decodes at their own depth (`decode_context`)."""
+        failed, dctx = set(), self.decode_context
         if pad(tokens, self.tile) + context > kv_tokens:
             failed.add("kv_capacity")
         for decodes in {0, min(tokens, plan_decodes)}:
             prefill = tokens - decodes
-            if self.predict_step(prefill, context, decodes, context) > slo_s:
+            if self.predict_step(prefill, context, decodes, dctx) > slo_s:
                 failed.add("itl_slo")
-            if self.compute_s(prefill, context, decodes) > slo_s:
+            if self.compute_s(prefill, context, decodes, dctx) > slo_s:
                 failed.add("compute")
-            if self.bandwidth_s(prefill, context, decodes) > slo_s:
+            if self.bandwidth_s(prefill, context, decodes, dctx) > slo_s:
                 failed.add("bandwidth")
         return sorted(failed)
 

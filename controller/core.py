@@ -15,6 +15,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from controller.budget import LinearStepCost
 from controller.events import DoubleBufferedEventQueue
 from controller.flow import FlowConfig, FlowControl
 from controller.histogram import (
@@ -31,6 +32,7 @@ from controller.protections import (
     Protections,
     per_token_cost_model,
 )
+from controller.refit import OnlineRefit
 from controller.request import Request, RequestOutput, RequestStatus
 from controller.scheduler import Scheduler, SchedulerConfig, StepLimits
 from controller.settings import FORBID_EXTRA, check_settings, setting
@@ -122,6 +124,11 @@ class WorkerState:
     step_started: float | None = None  # clock() at the last begin_step
     # Outputs of requests a protection aborted outside `finish_step`; returned by the next.
     outbox: list[RequestOutput] = field(default_factory=list)
+    # The calibrated step cost model (None: uncalibrated) and its online refit.
+    step_cost: LinearStepCost | None = None
+    refit: OnlineRefit | None = None
+    # (request id, chunk index) -> (charged, budgeted) seconds: a chunk's share of its step.
+    chunk_charges: dict[tuple[str, int], tuple[float, float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -154,6 +161,7 @@ class WorkerStats:
     num_chunk_timeouts: int
     num_budget_deviations: int
     num_slow_requests: int
+    num_refits: int
     last_budget_score: float
     is_degraded: bool
     num_chunk_complete: int
@@ -178,7 +186,8 @@ class ControllerCore:
                  protection_config: ProtectionConfig | None = None,
                  cost_model: CostModel | None = None,
                  degraded_config: DegradedConfig | None = None,
-                 scheduler_cls: type[Scheduler] = Scheduler, vocab_size: int | None = None):
+                 scheduler_cls: type[Scheduler] = Scheduler, vocab_size: int | None = None,
+                 step_cost: LinearStepCost | None = None, itl_slo_s: float | None = None):
         if not pools:
             raise ValueError("at least one worker is needed")
         self.clock = clock or (lambda: 0.0)
@@ -188,16 +197,20 @@ class ControllerCore:
         self.max_queue_len = max_queue_len
         self.degraded_config = degraded_config or DegradedConfig()
         protection_config = protection_config or ProtectionConfig()
-        cost_model = cost_model or per_token_cost_model(protection_config.seconds_per_token)
+        if cost_model is None:
+            cost_model = step_cost.chunk_s if step_cost is not None else \
+                per_token_cost_model(protection_config.seconds_per_token)
         arrivals = itertools.count()  # one arrival order across workers
         self.workers = [
             WorkerState(
                 scheduler_cls(scheduler_config,
                               KVCacheManager(BlockPool(p.num_blocks, p.block_size,
                                                        p.enable_prefix_caching)),
-                              clock=self.clock, arrivals=arrivals),
+                              clock=self.clock, arrivals=arrivals, step_cost=step_cost,
+                              itl_slo_s=itl_slo_s),
                 FlowControl(flow_config, scheduler_config.max_concurrent_chunks),
-                Protections(protection_config, cost_model))
+                Protections(protection_config, cost_model), step_cost=step_cost,
+                refit=OnlineRefit(protection_config) if step_cost is not None else None)
             for p in pools]
         self.request_to_worker: dict[str, int] = {}
         self._ids = itertools.count()
@@ -322,10 +335,39 @@ class ControllerCore:
             if out.finished:
                 self.request_to_worker.pop(out.request_id, None)
                 protections.forget(out.request_id)
+        self._price_chunks(state, plan, result)
         state.events.extend(result.chunk_events)
         self._queue_evicts(state)
         outputs += self._handle_events(state)
         return outputs
+
+    def _price_chunks(self, state: WorkerState, plan: StepPlan, result: StepResult) -> None:
+        """Charge each chunk its share of the step (by the cost model), and let the online
+        refit see the step."""
+        events = result.chunk_events
+        if not events:
+            return
+        step_s = result.elapsed_s or max(e.elapsed_s for e in events)
+        shape, cost = state.scheduler.last_shape, state.step_cost
+        if cost is not None and shape.step_id == plan.step_id and shape.chunks:
+            predicted = cost.step_s(list(shape.chunks.values()), shape.num_decodes,
+                                    shape.decode_context)
+            # Decodes keep their part; the chunks split the fixed cost and add their own.
+            for e in events:
+                budgeted = cost.prefill.a / len(events) + cost.marginal_s(e.num_tokens, e.start)
+                charged = step_s * budgeted / predicted if predicted > 0 else step_s
+                state.chunk_charges[(e.request_id, e.chunk_index)] = (charged, budgeted)
+            assert state.refit is not None
+            refitted = state.refit.observe(shape, step_s, cost)
+            if refitted is not None:
+                state.step_cost = state.scheduler.step_cost = refitted
+                state.protections.cost_model = refitted.chunk_s
+            return
+        alone = [state.protections.cost_model(e.num_tokens, e.start) for e in events]
+        total = sum(alone)
+        for e, budgeted in zip(events, alone, strict=True):
+            charged = step_s * budgeted / total if total > 0 else e.elapsed_s
+            state.chunk_charges[(e.request_id, e.chunk_index)] = (charged, budgeted)
 
     def step(self, worker: int, execute: Callable[[StepPlan], StepResult]
              ) -> list[RequestOutput]:
@@ -368,7 +410,9 @@ class ControllerCore:
                     continue
                 state.event_stats.num_chunk_complete += 1
                 state.flow.on_chunk_complete(event, now)
-                error = state.protections.on_chunk_complete(event, now)
+                charged, budgeted = state.chunk_charges.pop(
+                    (event.request_id, event.chunk_index), (None, None))
+                error = state.protections.on_chunk_complete(event, now, charged, budgeted)
                 if error is not None:
                     out = self.abort(event.request_id)  # queues its evicts
                     if out is not None:
@@ -406,6 +450,7 @@ class ControllerCore:
             num_chunk_timeouts=prot.stats.num_timeouts,
             num_budget_deviations=prot.stats.num_deviations,
             num_slow_requests=prot.stats.num_slow_requests,
+            num_refits=state.refit.num_refits if state.refit is not None else 0,
             last_budget_score=prot.stats.last_budget_score, is_degraded=state.degraded,
             num_chunk_complete=events.num_chunk_complete,
             num_cache_evict=events.num_cache_evict,

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from controller.budget import LinearStepCost
 from controller.core import DegradedConfig
 from controller.flow import FlowConfig
 from controller.protections import CostModel, ProtectionConfig
@@ -147,4 +148,6 @@ class ControllerOptions:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     cost_model: CostModel | None = None  # None: protections.seconds_per_token per token
+    step_cost: LinearStepCost | None = None  # a budget table's: chunks sized per step
+    itl_slo_s: float | None = None  # what step_cost sizes chunks for
     worker_cls: str = "workers.actor:WorkerActor"  # "module:Class" of the worker actor

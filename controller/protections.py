@@ -5,7 +5,9 @@
 - budget deviation: a chunk whose time per token is > `deviation_threshold` off the cost
   model is logged and counted (the calibrator re-fits on repeated deviations);
 - `budget_score = actual / budgeted prefill time` per request, scores over
-  `slow_score_threshold` go to the slow-request log;
+  `slow_score_threshold` go to the slow-request log; a chunk that shares its step with
+  others (or with decodes) is charged its share of the step by the cost model, not the
+  whole step's time (the core computes the share);
 - degraded mode: after `degrade_after_timeouts` timeouts within `degrade_window_s`, the
   worker keeps serving with the smallest chunk and one prefill at a time, until a
   window passes without timeouts.
@@ -61,6 +63,12 @@ class ProtectionConfig:
         "Entries kept in the slow-request log (the oldest go first)."))
     deviation_log_every: int = setting(100, ge=1, description=(
         "Budget deviations are logged once per this many (all are counted)."))
+    refit_window: int = setting(16, ge=2, description=(
+        "Online refit: the last this many steps that carried prefill chunks are kept (their "
+        "shape and time: bounded memory); when refit_deviating_share of them are off the "
+        "cost model by more than deviation_threshold, the model is refitted on them."))
+    refit_deviating_share: float = setting(0.75, gt=0, le=1, description=(
+        "Share of the refit window's steps that must deviate to trigger a refit."))
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -106,14 +114,21 @@ class Protections:
         cfg = self.config
         return cfg.chunk_timeout_base_s * (1.0 + chunk_index * cfg.chunk_timeout_growth)
 
-    def on_chunk_complete(self, event: ChunkComplete, now: float) -> str | None:
-        """Account one chunk; returns an error message when the request must be aborted."""
-        budgeted = self.cost_model(event.num_tokens, event.start)
+    def on_chunk_complete(self, event: ChunkComplete, now: float,
+                          charged_s: float | None = None,
+                          budgeted_s: float | None = None) -> str | None:
+        """Account one chunk; returns an error message when the request must be aborted.
+        `charged_s` / `budgeted_s`: the chunk's share of its step's measured / predicted
+        time (default: the event's time / the cost model's chunk alone). The timeout
+        watches the whole step: a hung step is hung for every chunk in it."""
+        budgeted = self.cost_model(event.num_tokens, event.start) if budgeted_s is None \
+            else budgeted_s
+        charged = event.elapsed_s if charged_s is None else charged_s
         prefill = self._prefills.setdefault(event.request_id, _Prefill())
-        prefill.actual_s += event.elapsed_s
+        prefill.actual_s += charged
         prefill.budgeted_s += budgeted
         if budgeted > 0:
-            off = abs(event.elapsed_s - budgeted) / budgeted
+            off = abs(charged - budgeted) / budgeted
             if off > self.config.deviation_threshold:
                 self.stats.num_deviations += 1
                 # A stale budget table deviates on every chunk: warn on the first and then
@@ -121,8 +136,7 @@ class Protections:
                 log = logger.warning if self.stats.num_deviations % \
                     self.config.deviation_log_every == 1 else logger.debug
                 log("chunk %s#%d took %.4fs, budget model says %.4fs (%.0f%% off)",
-                             event.request_id, event.chunk_index, event.elapsed_s, budgeted,
-                             100 * off)
+                    event.request_id, event.chunk_index, charged, budgeted, 100 * off)
         limit = self.chunk_timeout_s(event.chunk_index)
         if event.elapsed_s <= limit:
             return None

@@ -6,6 +6,15 @@ Each step, for one worker, in this order and never past `max_num_batched_tokens`
 2. running requests still prefilling: the next chunk;
 3. waiting requests, by (priority, arrival): admitted with their first chunk.
 `StepLimits` (from flow control and the protections) narrows a step further.
+
+Nobody queues behind a long prompt: a prompt longer than
+`long_prefill_token_threshold` is long; at most `max_long_partial_prefills` long prompts
+are chunked at once (a long waiting prompt over that cap is passed over, not blocking the
+queue), and while short prompts wait, long chunks leave them `short_prefill_share` of the
+step's prefill budget, so a prompt that fits in one chunk is admitted in the next step.
+With a step cost model and an ITL SLO, each chunk is the largest (on the block/tile grid)
+whose step, the decodes riding along included, is predicted under the SLO at the request's
+current depth: deeper chunks get smaller, shallow ones use the whole SLO.
 A running request that cannot get a block preempts by recompute the lowest-priority,
 latest-arrived running request (possibly itself), which returns to the waiting queue
 ahead of every later arrival of its priority. Waiting requests never preempt.
@@ -14,9 +23,10 @@ ahead of every later arrival of its priority. Waiting requests never preempt.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator
+import math
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 from controller.messages import CachedRequestData, CacheEvict, NewRequestData, StepPlan, StepResult
 from controller.request import Request, RequestOutput, RequestStatus
@@ -40,6 +50,17 @@ class SchedulerConfig:
     max_num_seqs: int = setting(256, ge=1, description="Running requests per worker at most.")
     max_chunk_tokens: int | None = setting(None, ge=1, description=(
         "Cap on one prefill chunk; None means the whole budget."))
+    long_prefill_token_threshold: int | None = setting(None, ge=1, description=(
+        "A prompt (with its generated tokens) longer than this is long: capped by "
+        "max_long_partial_prefills, and leaving short_prefill_share of each step's "
+        "prefill budget to short prompts. None: max_num_batched_tokens (a prompt that "
+        "fits in one step is short)."))
+    max_long_partial_prefills: int = setting(1, ge=1, description=(
+        "Long prompts being chunked at once; a further long prompt waits without "
+        "blocking short ones behind it (vLLM's max_long_partial_prefills)."))
+    short_prefill_share: float = setting(0.25, gt=0, lt=1, description=(
+        "Share of a step's prefill budget (and of its predicted time under the ITL SLO) "
+        "that long chunks leave free while short prompts wait."))
     max_concurrent_chunks: int = setting(4, ge=1, description=(
         "Prefill chunks per step in NORMAL flow mode (flow control lowers it: "
         "flow.throttle_chunks, flow.throttle_hard_chunks, 0 under cache pressure)."))
@@ -66,6 +87,24 @@ class SchedulerConfig:
         if chunk is not None and chunk > self.max_num_batched_tokens:
             raise ValueError("scheduler.max_chunk_tokens must not exceed "
                              "scheduler.max_num_batched_tokens")
+
+
+class StepCostModel(Protocol):
+    """Predicted seconds of a step: its chunks as (tokens, context) and its decodes, padded
+    to the longest decode context (controller.budget.LinearStepCost)."""
+
+    def step_s(self, chunks: Sequence[tuple[int, int]], num_decodes: int,
+               decode_context: int) -> float: ...
+
+
+@dataclass
+class StepShape:
+    """What a plan carries, for pricing the step once its time is known."""
+
+    step_id: int
+    chunks: dict[str, tuple[int, int]] = field(default_factory=dict)  # id -> (tokens, ctx)
+    num_decodes: int = 0
+    decode_context: int = 0  # the longest
 
 
 @dataclass(frozen=True)
@@ -100,8 +139,13 @@ _SCHEDULABLE = (RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.PREE
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
                  clock: Callable[[], float] | None = None,
-                 arrivals: Iterator[int] | None = None):
+                 arrivals: Iterator[int] | None = None,
+                 step_cost: StepCostModel | None = None, itl_slo_s: float | None = None):
         self.config = config
+        # Both set: chunks are sized by predicted step time (the core swaps in a refit).
+        self.step_cost = step_cost
+        self.itl_slo_s = itl_slo_s
+        self.chunk_unit = math.lcm(kv.block_size, getattr(step_cost, "tile", 1))
         self.kv = kv
         self.block_size = kv.block_size
         self.clock = clock or (lambda: 0.0)
@@ -116,6 +160,7 @@ class Scheduler:
         self._finished_ids: set[str] = set()  # to tell the worker next plan
         self.stats = SchedulerStats()
         self.tenant_stats = TenantStats()
+        self.last_shape = StepShape(-1)  # of the latest plan
 
     # -- requests ----------------------------------------------------------------
     @property
@@ -192,6 +237,7 @@ class Scheduler:
         plan.block_moves = self._maybe_defrag(plan.step_id)
         scheduled: dict[str, int] = {}
         num_preemptions_before = self.stats.num_preemptions
+        shape = self.last_shape = StepShape(plan.step_id)
 
         # 1: decodes, 1 token each, before any prefill.
         for request in [r for r in self.running if r.is_decoding]:
@@ -203,6 +249,10 @@ class Scheduler:
                 scheduled[request.request_id] = 1
                 budget -= 1
                 self.tenant_stats.add(request.tenant, 1, is_prefill=False)
+        for request_id in scheduled:  # preemption may have dropped earlier ones
+            shape.num_decodes += 1
+            shape.decode_context = max(shape.decode_context,
+                                       self.requests[request_id].num_computed_tokens)
 
         # 2 + 3: partial prefills, then admissions; admissions only if nothing was
         # preempted this step (a preemption means the pool is full: admitting would thrash).
@@ -234,13 +284,25 @@ class Scheduler:
         self.stats.num_defrag_moves += len(moves)
         return moves
 
+    @property
+    def long_threshold(self) -> int:
+        cfg = self.config
+        if cfg.long_prefill_token_threshold is not None:
+            return cfg.long_prefill_token_threshold
+        return cfg.max_num_batched_tokens
+
+    def is_long(self, request: Request) -> bool:
+        """By its whole length, so a long prompt's tail stays long (and counted)."""
+        return request.num_tokens > self.long_threshold
+
     def _schedule_prefills(self, budget: int, max_chunks: int, scheduled: dict[str, int],
                            chunk_cap: int | None, allow_admission: bool,
                            num_preemptions_before: int) -> None:
         """Prefill chunks within `budget`: running partial prefills first (they hold
         blocks), then waiting requests by (priority, arrival); split by tenant share when
         several tenants compete, unused shares lent in a second pass. Nobody is admitted
-        once this step preempted (the pool is full: admitting would thrash)."""
+        once this step preempted (the pool is full: admitting would thrash). Long prompts
+        leave the short ones waiting a reserved share and are chunked a few at a time."""
         def may_admit() -> bool:
             return allow_admission and self.stats.num_preemptions == num_preemptions_before
 
@@ -250,7 +312,21 @@ class Scheduler:
         weights = self.config.tenant_weights
         shares = split_budget(budget, (r.tenant for r in candidates), weights)
         waiting_tenants = {r.tenant for r in waiting}
-        num_chunks, admission_blocked = 0, False
+        # With one chunk a step (throttled) there is no room to share: order decides. The
+        # reserve holds the first short prompt whole even past the share, but long chunks
+        # keep one grid unit a step (a stream of short prompts never starves them).
+        shorts = [r.num_tokens_to_compute for r in partial if not self.is_long(r)]
+        if len(self.running) < self.config.max_num_seqs:
+            shorts += [r.num_tokens_to_compute for r in waiting if not self.is_long(r)]
+        if max_chunks == 1:
+            shorts = []
+        reserve = min(sum(shorts), max(math.ceil(self.config.short_prefill_share * budget),
+                                       shorts[0] if shorts else 0),
+                      max(budget - self.chunk_unit, 0))
+        long_budget = budget - reserve
+        num_long = sum(1 for r in partial if self.is_long(r))
+        held_back = False  # a long chunk left the reserve's time to the short prompts
+        num_chunks, blocked = 0, set()  # classes (is_long) whose head could not be admitted
         for lending in (False, True):
             for request in candidates:
                 if budget == 0 or num_chunks >= max_chunks:
@@ -259,25 +335,44 @@ class Scheduler:
                     continue
                 limit = budget if lending or shares is None else min(
                     budget, shares[request.tenant].left)
+                is_long = self.is_long(request)
+                if is_long:
+                    limit = min(limit, long_budget)
                 if limit <= 0:
                     continue
+                # A long chunk leaves the reserve's time too; a short prompt inside the
+                # reserve is never cut by time (the long chunk left it room).
+                reserved = reserve if is_long else 0
+                floor = request.num_tokens_to_compute if not is_long and held_back and \
+                    request.num_tokens_to_compute <= reserve else 0
                 if request.status == RequestStatus.RUNNING:
-                    num_new = self._chunk_len(request, limit, chunk_cap)
+                    num_new = self._chunk_len(request, limit, chunk_cap, reserved, floor)
                     if num_new == 0 or not self._allocate_or_preempt(request, num_new,
                                                                      scheduled):
                         continue
                 else:
-                    if (admission_blocked or not may_admit()
+                    if is_long and num_long >= self.config.max_long_partial_prefills:
+                        continue  # passed over: the short prompts behind it still go
+                    if (is_long in blocked or not may_admit()
                             or not self._may_admit(request, waiting_tenants)):
                         continue
-                    num_new = self._admit(request, limit, chunk_cap)
+                    num_new = self._admit(request, limit, chunk_cap, reserved, floor)
                     if num_new == 0:
-                        # FCFS: a later, smaller request must not overtake the head
-                        # forever, so admission stops for this step.
-                        admission_blocked = True
+                        # FCFS within a class: a later, smaller request must not overtake
+                        # the head forever, so its class stops for this step. A long head
+                        # does not hold up short prompts (they are bounded by the reserve).
+                        blocked.add(is_long)
                         continue
+                    num_long += is_long
                 scheduled[request.request_id] = num_new
+                self.last_shape.chunks[request.request_id] = (num_new,
+                                                              request.num_computed_tokens)
                 budget -= num_new
+                if is_long:
+                    long_budget -= num_new
+                    held_back = held_back or reserved > 0
+                elif floor:
+                    reserve = max(reserve - num_new, 0)
                 num_chunks += 1
                 if shares is not None:
                     shares[request.tenant].used += num_new
@@ -295,12 +390,13 @@ class Scheduler:
         return num_own < seq_cap(self.config.max_num_seqs, request.tenant, waiting_tenants,
                                  self.config.tenant_weights)
 
-    def _admit(self, request: Request, limit: int, chunk_cap: int | None = None) -> int:
+    def _admit(self, request: Request, limit: int, chunk_cap: int | None = None,
+               reserved: int = 0, floor: int = 0) -> int:
         """Move a waiting request to running with its first chunk; 0 when it cannot."""
         computed = self.kv.get_computed_blocks(request.all_token_ids)
         num_computed = len(computed) * self.block_size
         request.num_computed_tokens = num_computed
-        num_new = self._chunk_len(request, limit, chunk_cap)
+        num_new = self._chunk_len(request, limit, chunk_cap, reserved, floor)
         if num_new == 0 or self.kv.allocate_slots(
                 request.request_id, num_computed + num_new, computed) is None:
             request.num_computed_tokens = 0
@@ -314,21 +410,53 @@ class Scheduler:
         self.running.append(request)
         return num_new
 
-    def _chunk_len(self, request: Request, budget: int, chunk_cap: int | None = None) -> int:
-        """Next chunk: min(remaining, budget, chunk cap), its end on the block grid.
+    def _chunk_len(self, request: Request, budget: int, chunk_cap: int | None = None,
+                   reserved: int = 0, floor: int = 0) -> int:
+        """Next chunk: min(remaining, budget, chunk cap, time cap), its end on the block grid.
 
-        Only the request's last chunk may end off the grid, except when the grid would
-        give 0 tokens: progress beats alignment (a budget smaller than a block must not
-        starve prefill), and the next chunk realigns.
+        The time cap (`_time_cap`) keeps the predicted step under the SLO; `floor` tokens
+        are granted past it. Only the request's last chunk may end off the grid, except
+        when the grid would give 0 tokens: progress beats alignment (a budget smaller than
+        a block must not starve prefill), and the next chunk realigns.
         """
         cap = chunk_cap or self.config.max_chunk_tokens or budget
         remaining = request.num_tokens_to_compute
         num_new = min(remaining, budget, cap)
-        if num_new < remaining:
+        timed = self._time_cap(request.num_computed_tokens, num_new, reserved)
+        if timed is not None:
+            num_new = min(num_new, max(timed, floor))
+        if 0 < num_new < remaining:
             end = request.num_computed_tokens + num_new
             aligned = end - end % self.block_size - request.num_computed_tokens
             num_new = aligned if aligned > 0 else num_new
         return num_new
+
+    def _time_cap(self, context: int, most: int, reserved: int) -> int | None:
+        """The largest chunk (<= `most`, a multiple of the block/tile unit unless it is
+        `most`) at `context` whose step, with what the step already carries and `reserved`
+        tokens kept for short prompts, is predicted under the ITL SLO; None without a cost
+        model. Nothing fits: one unit for the step's first chunk (progress beats the SLO),
+        else 0."""
+        cost, slo = self.step_cost, self.itl_slo_s
+        if cost is None or slo is None or most <= 0:
+            return None
+        shape = self.last_shape
+        chunks = [*shape.chunks.values(), *([(reserved, 0)] if reserved else [])]
+
+        def fits(tokens: int) -> bool:
+            return cost.step_s([*chunks, (tokens, context)], shape.num_decodes,
+                               shape.decode_context) <= slo
+
+        if fits(most):
+            return most
+        unit = self.chunk_unit
+        lo, hi = 0, most // unit + 1  # invariant: lo units fit (0 trivially), hi do not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if mid * unit <= most and fits(mid * unit) else (lo, mid)
+        if lo == 0 and not shape.chunks:
+            return unit
+        return lo * unit
 
     def _allocate_or_preempt(self, request: Request, num_new: int,
                              scheduled: dict[str, int]) -> bool:

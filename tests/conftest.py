@@ -15,3 +15,12 @@ def preset_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TOKENFLOW_CACHE_DIR", str(root))
         yield root
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fixed_budgets() -> Iterator[None]:
+    """The suite's engines and clusters start with the fixed budgets: no calibration at
+    start (a test that wants one asks for it)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TOKENFLOW_CALIBRATION__AUTO", "false")
+        yield

@@ -15,7 +15,8 @@ from controller.policies import POLICIES
 
 TARGETS = {"p99_itl_during_long_prefill_vs_slo", "p99_itl_during_long_prefill_vs_prefill_first",
            "long_ttft_vs_prefill_first", "total_tokens_per_s_vs_prefill_first",
-           "capacity_vs_prefill_first", "offline_tokens_per_s_vs_transformers"}
+           "capacity_vs_prefill_first", "offline_tokens_per_s_vs_transformers",
+           "p99_itl_whole_scene_vs_slo", "short_ttft_vs_two_slo_steps"}
 TARGET_KEYS = {"what", "value", "ratio", "target", "comparison", "met", "missed_by", "why"}
 
 
@@ -59,6 +60,7 @@ def test_quick_scene_schema(quick_report: tuple[dict[str, Any], Path]) -> None:
     assert set(scene) == set(POLICIES)
     for res in scene.values():
         assert _positive(res["long_ttft_s"]) and res["aborted"] == 0
+        assert _positive(res["short_ttft_s"])
         _check_latency(res["itl_during_long_prefill"])
         _check_latency(res["itl_whole_scene"])
         _check_latency(res["itl_while_long_decodes"])
@@ -80,6 +82,8 @@ def test_quick_capacity_and_offline_schema(quick_report: tuple[dict[str, Any], P
         assert found is None or _positive(found)
         for trial in res["trials"]:
             assert isinstance(trial["passed"], bool) and _positive(trial["p99_ttft_s"])
+            assert trial["num_requests"] == cap["num_requests"]  # what the P99 rests on
+            assert trial["num_itl_samples"] > trial["num_requests"]
     for side in ("transformers", "tokenflow", "tokenflow_slo_budget"):
         assert _positive(report["offline"][side]["output_tokens_per_s"]), side
 

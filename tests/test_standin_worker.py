@@ -13,7 +13,8 @@ from controller.scheduler import SchedulerConfig
 def test_standin_runs_requests_to_completion_from_plan_diffs():
     worker = StandInWorkerActor("builtin:tiny", num_kv_blocks=64, block_size=16)
     info = worker.info()
-    core = ControllerCore([PoolSpec(info.num_kv_blocks, info.block_size)],
+    # No prefix caching: the prompts share a prefix, and a hit skips reporting its chunk.
+    core = ControllerCore([PoolSpec(info.num_kv_blocks, info.block_size, False)],
                           SchedulerConfig(max_num_batched_tokens=48, max_chunk_tokens=32),
                           eos_token_ids=info.eos_token_ids, vocab_size=info.vocab_size)
     lengths = {core.add_request(list(range(3, 3 + n)), SamplingParams(

@@ -110,11 +110,12 @@ def test_budget_respects_the_slo() -> None:
     decodes = table.limits["plan_decodes"]
     assert decodes == 32  # default: the largest calibrated decode batch
     assert table.predict_step(budget, context) <= 0.05
-    assert table.predict_step(budget - decodes, context, decodes, context) <= 0.05
+    dctx = table.limits["plan_decode_context_tokens"]  # decodes at their own depth
+    assert table.predict_step(budget - decodes, context, decodes, dctx) <= 0.05
     assert detail["limited_by"] == "itl_slo"
     over = budget + 16
     assert max(table.predict_step(over, context),
-               table.predict_step(over - decodes, context, decodes, context)) > 0.05
+               table.predict_step(over - decodes, context, decodes, dctx)) > 0.05
 
 
 @settings(max_examples=50, deadline=None)

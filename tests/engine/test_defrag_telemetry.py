@@ -41,7 +41,8 @@ def test_scripted_telemetry_drives_the_throttle_through_the_engine():
     clock = {"now": 0.0}
     engine = LocalEngine(worker={"model": "builtin:tiny", "telemetry": False},
                          cache={"block_size": 8, "num_kv_blocks": 256},
-                         scheduler={"max_num_batched_tokens": 256, "max_chunk_tokens": 32},
+                         scheduler={"max_num_batched_tokens": 256, "max_chunk_tokens": 32,
+                                    "max_long_partial_prefills": 4},
                          clock=lambda: clock["now"])
     engine.worker.telemetry = ScriptedSource(lambda now: 0.97)
     rng = random.Random(1)

@@ -17,12 +17,13 @@ class Harness:
     """The core's step verb, as LocalEngine and the Ray step loop call it, in virtual time."""
 
     def __init__(self, num_blocks=100, budget=64, chunk_cost=None, bandwidth=None,
-                 protections=None, dt=0.5, max_chunk_tokens=None):
+                 protections=None, dt=0.5, max_chunk_tokens=None, **scheduler):
         self.now = 0.0
         self.dt = dt
         self.core = ControllerCore(
             [PoolSpec(num_blocks, 4, False)],
-            SchedulerConfig(max_num_batched_tokens=budget, max_chunk_tokens=max_chunk_tokens),
+            SchedulerConfig(max_num_batched_tokens=budget, max_chunk_tokens=max_chunk_tokens,
+                            **scheduler),
             clock=lambda: self.now, flow_config=FlowConfig(),
             protection_config=protections or ProtectionConfig())
         self.sched = self.core.scheduler(0)
@@ -78,7 +79,7 @@ def test_cache_pressure_stops_prefill_keeps_decodes_and_wakes_on_evict():
 def test_throttle_levels_set_chunk_concurrency_and_pause_recovers():
     level = {"value": 0.5}
     h = Harness(num_blocks=5000, budget=4096, bandwidth=lambda: level["value"],
-                max_chunk_tokens=128)
+                max_chunk_tokens=128, max_long_partial_prefills=8)
     for i in range(8):
         h.add(f"p{i}", 2000, max_tokens=2)
 

@@ -1,0 +1,93 @@
+"""The closed loop: refit the step cost model online when measured steps keep deviating.
+
+Every step that carried prefill chunks is priced by the current model; the last
+`refit_window` of them (shape and measured time: bounded memory) are kept. When at least
+`refit_deviating_share` of that window is more than `deviation_threshold` off the model,
+a new model is fitted on the window: least squares over the step's fixed cost, tokens,
+(query, key) pairs, decodes and decode pairs when the window varies enough to tell them
+apart and that fit is the better one, else the current model scaled by the median
+measured / predicted ratio (a device that got uniformly slower or faster). The window
+then starts afresh, so one drift gives one refit; a refit that would not predict the
+window better is dropped (noise, not drift). Torch-free.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections import deque
+from dataclasses import dataclass
+
+from controller.budget import CostModel, LinearStepCost, chunk_pairs, fit_nonneg, pad
+from controller.protections import ProtectionConfig
+from controller.scheduler import StepShape
+
+logger = logging.getLogger("tokenflow.refit")
+
+
+@dataclass(frozen=True)
+class StepSample:
+    chunks: tuple[tuple[int, int], ...]  # (tokens, context)
+    num_decodes: int
+    decode_context: int
+    elapsed_s: float
+
+
+class OnlineRefit:
+    def __init__(self, config: ProtectionConfig) -> None:
+        self.config = config
+        self.window: deque[tuple[StepSample, bool]] = deque(maxlen=config.refit_window)
+        self.num_refits = 0
+
+    def observe(self, shape: StepShape, elapsed_s: float,
+                cost: LinearStepCost) -> LinearStepCost | None:
+        """Account one step with chunks; returns a refitted model when the window says so."""
+        if not shape.chunks or elapsed_s <= 0:
+            return None
+        sample = StepSample(tuple(shape.chunks.values()), shape.num_decodes,
+                            shape.decode_context, elapsed_s)
+        predicted = cost.step_s(sample.chunks, sample.num_decodes, sample.decode_context)
+        deviated = predicted <= 0 or abs(elapsed_s / predicted - 1.0) > \
+            self.config.deviation_threshold
+        self.window.append((sample, deviated))
+        cfg = self.config
+        if len(self.window) < cfg.refit_window or \
+                sum(d for _, d in self.window) < cfg.refit_deviating_share * cfg.refit_window:
+            return None
+        samples = [s for s, _ in self.window]
+        refit, how = _refit(samples, cost)
+        self.window.clear()
+        before = statistics.median(_errors(samples, cost))
+        after = statistics.median(_errors(samples, refit))
+        if after >= before:  # noise, not drift: keep the model
+            return None
+        self.num_refits += 1
+        logger.warning("cost model refitted (%s) on %d steps: median error %.0f%% -> %.0f%%",
+                       how, len(samples), 100 * before, 100 * after)
+        return refit
+
+
+def _errors(samples: list[StepSample], cost: LinearStepCost) -> list[float]:
+    return [abs(cost.step_s(s.chunks, s.num_decodes, s.decode_context) / s.elapsed_s - 1.0)
+            for s in samples]
+
+
+def _refit(samples: list[StepSample], cost: LinearStepCost) -> tuple[LinearStepCost, str]:
+    ratios = [s.elapsed_s / cost.step_s(s.chunks, s.num_decodes, s.decode_context)
+              for s in samples]
+    scaled = cost.scaled(statistics.median(ratios))
+    tokens = {t for s in samples for t, _ in s.chunks}
+    depths = {c for s in samples for _, c in s.chunks}
+    if len(tokens) < 3 or len(depths) < 2:  # too little spread to fit five coefficients
+        return scaled, "scaled"
+    rows = []
+    for s in samples:
+        padded = [(pad(t, cost.tile), c) for t, c in s.chunks]
+        rows.append([1.0, sum(t for t, _ in padded), sum(chunk_pairs(t, c) for t, c in padded),
+                     s.num_decodes, s.num_decodes * (s.decode_context + 1.0)])
+    a, b, c, d, e = fit_nonneg(rows, [s.elapsed_s for s in samples])
+    fitted = LinearStepCost(CostModel(a, b, c), CostModel(cost.decode.a * a / max(
+        cost.prefill.a, 1e-12), d, e), cost.tile)
+    if statistics.median(_errors(samples, fitted)) < statistics.median(_errors(samples, scaled)):
+        return fitted, "least squares"
+    return scaled, "scaled"

@@ -1,0 +1,184 @@
+"""Scheduling that serves everyone, through `ControllerCore` with the real scheduler, a fake
+worker and injected time (deterministic): short prompts never queue behind a long one,
+chunks are sized per depth by the cost model, and a drifting worker is refitted online."""
+
+from __future__ import annotations
+
+import itertools
+
+from controller.budget import CostModel, LinearStepCost
+from controller.core import ControllerCore, PoolSpec
+from controller.messages import SamplingParams, StepPlan
+from controller.protections import ProtectionConfig
+from controller.scheduler import SchedulerConfig
+from tests.unit.fake_runner import FakeRunner
+
+BLOCK = 16
+NUM_USERS = 8
+# A quadratic attention term (c): a chunk at depth 6000 costs far more than one at depth 0.
+TRUE_COST = LinearStepCost(CostModel(5e-3, 2e-5, 6e-9), CostModel(4e-3, 1e-4, 5e-9), tile=16)
+SLO_S = 0.05
+
+
+class Scene:
+    """One worker: the core's step verb in virtual time. `cost` set: the worker's steps take
+    `factor` x what `cost` predicts for the plan (every chunk event reports the whole step's
+    time, as the real worker does) and the scheduler sizes chunks with `model`."""
+
+    def __init__(self, budget: int = 256, num_blocks: int = 4096,
+                 model: LinearStepCost | None = None, cost: LinearStepCost | None = None,
+                 protections: ProtectionConfig | None = None, **scheduler: object) -> None:
+        self.now = 0.0
+        self.core = ControllerCore(
+            [PoolSpec(num_blocks, BLOCK, False)],
+            SchedulerConfig(max_num_batched_tokens=budget, **scheduler),  # type: ignore[arg-type]
+            clock=lambda: self.now, protection_config=protections or ProtectionConfig(),
+            step_cost=model, itl_slo_s=SLO_S if model is not None else None)
+        self.sched = self.core.scheduler(0)
+        self.runner = FakeRunner(self.sched)
+        self.cost, self.factor = cost, 1.0
+        self.plans: list[StepPlan] = []
+        self.step_times: list[float] = []
+        self.first_token_step: dict[str, int] = {}
+        self.finished: set[str] = set()
+
+    def add(self, rid: str, prompt_len: int, max_tokens: int) -> None:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        self.core.add_request([(i % 90) + 1 for i in range(prompt_len)], params,
+                              request_id=rid)
+
+    def step(self) -> StepPlan:
+        plan = self.core.begin_step(0)
+        shape = self.sched.last_shape
+        result = self.runner.execute(plan)
+        if self.cost is not None:
+            step_s = self.factor * self.cost.step_s(list(shape.chunks.values()),
+                                                    shape.num_decodes, shape.decode_context)
+            result.elapsed_s = step_s
+            for event in result.chunk_events:
+                event.elapsed_s = step_s
+            self.step_times.append(step_s)
+        for out in self.core.finish_step(0, plan, result):
+            if out.num_output_tokens == 1 and out.new_token_ids:
+                self.first_token_step.setdefault(out.request_id, len(self.plans))
+            if out.finished:
+                self.finished.add(out.request_id)
+        self.plans.append(plan)
+        self.now += 0.01
+        return plan
+
+    def users_decoding(self) -> None:
+        for i in range(NUM_USERS):
+            self.add(f"user-{i}", 32, max_tokens=400)
+        while len(self.first_token_step) < NUM_USERS:
+            self.step()
+
+
+def test_short_prompt_behind_a_long_one_gets_its_first_token_within_two_steps():
+    """Budget 256, 8 users decoding, a 4000-token prompt lands, a 32-token prompt two
+    steps later: the short one is admitted at once, users never miss a step, the long one
+    finishes."""
+    s = Scene(budget=256)
+    s.users_decoding()
+    s.add("long", 4000, max_tokens=4)
+    s.step()
+    s.step()
+    arrival = len(s.plans)
+    s.add("short", 32, max_tokens=4)
+    while "long" not in s.finished:
+        plan = s.step()
+        users = [f"user-{i}" for i in range(NUM_USERS)]
+        assert all(plan.num_scheduled_tokens.get(u) == 1 for u in users)  # never a miss
+        assert plan.total_num_scheduled_tokens <= 256
+        assert len(s.plans) < 200
+    assert s.first_token_step["short"] - arrival < 2  # its first step samples it
+    # The long prompt kept moving while the short one was served.
+    assert s.first_token_step["long"] - arrival <= 4000 // (256 - NUM_USERS) + 3
+
+
+def test_a_stream_of_short_prompts_never_starves_the_long_one():
+    s = Scene(budget=256)
+    s.users_decoding()
+    s.add("long", 4000, max_tokens=2)
+    arrivals: dict[str, int] = {}
+    for k in range(60):
+        rid = f"short-{k}"
+        arrivals[rid] = len(s.plans)
+        s.add(rid, 48, max_tokens=2)
+        s.step()
+    assert "long" in s.first_token_step  # finished its prefill under the stream
+    long_chunks = [p.num_scheduled_tokens.get("long", 0) for p in s.plans[-60:]]
+    assert sum(long_chunks) >= 4000
+    for rid, step in arrivals.items():
+        if rid in s.first_token_step:
+            assert s.first_token_step[rid] - step < 2, rid
+    assert sum(rid in s.first_token_step for rid in arrivals) >= 59
+
+
+def test_long_prompts_are_chunked_one_at_a_time_and_do_not_block_short_ones():
+    s = Scene(budget=512, max_long_partial_prefills=1)
+    s.add("long-a", 3000, max_tokens=2)
+    s.add("long-b", 3000, max_tokens=2)
+    s.add("short", 40, max_tokens=2)
+    plan = s.step()
+    assert "long-a" in plan.num_scheduled_tokens and "long-b" not in plan.num_scheduled_tokens
+    assert plan.num_scheduled_tokens["short"] == 40  # passed the waiting long-b
+    while "long-a" in s.sched.requests and s.sched.requests["long-a"].is_prefilling:
+        plan = s.step()
+        assert not ("long-a" in plan.num_scheduled_tokens and "long-b" in
+                    plan.num_scheduled_tokens and s.sched.requests["long-a"].is_prefilling)
+    while s.core.has_unfinished():
+        s.step()
+    assert {"long-a", "long-b", "short"} <= s.finished
+
+
+def test_chunks_shrink_with_depth_and_every_step_stays_under_the_slo():
+    """Cost model with a quadratic attention term, the scheduler sizing chunks with it:
+    later chunks of a long prompt are smaller, every step (users' decodes included) is
+    under the SLO in the model's time, and chunks sharing a step are charged their share."""
+    s = Scene(budget=8192, model=TRUE_COST, cost=TRUE_COST)
+    s.users_decoding()
+    start = len(s.plans)
+    s.add("long", 8000, max_tokens=2)
+    while "long" not in s.first_token_step:
+        s.step()
+    chunks = [p.num_scheduled_tokens["long"] for p in s.plans[start:]
+              if "long" in p.num_scheduled_tokens]
+    assert len(chunks) > 3
+    assert all(b <= a for a, b in itertools.pairwise(chunks[:-1]))  # the last: the rest
+    assert chunks[-2] < 0.6 * chunks[0]
+    assert all(c % BLOCK == 0 for c in chunks[:-1])  # on the grid
+    assert max(s.step_times[start:]) <= SLO_S
+    assert max(s.step_times[start:]) > 0.8 * SLO_S  # the SLO is used, not wasted
+    prot = s.core.workers[0].protections.stats
+    assert prot.num_deviations == 0  # each chunk charged its share: the model holds
+    assert abs(prot.last_budget_score - 1.0) < 1e-6
+
+
+def test_worker_twice_as_slow_is_refitted_within_the_window_and_steps_return_under_slo():
+    window = 8
+    prot = ProtectionConfig(refit_window=window)
+    s = Scene(budget=8192, model=TRUE_COST, cost=TRUE_COST, protections=prot)
+    s.users_decoding()
+    for i in range(16):
+        s.add(f"long-{i}", 4000, max_tokens=2)
+    for _ in range(10):
+        s.step()
+    assert max(s.step_times[-10:]) <= SLO_S
+    s.factor = 2.0  # the device gets twice as slow, mid-run
+    changed = len(s.plans)
+    stats = s.core.worker_stats
+    while stats(0).num_refits == 0:
+        s.step()
+        assert len(s.plans) - changed <= window, "no refit within the window"
+    refit_at = len(s.plans)
+    assert max(s.step_times[changed:refit_at]) > SLO_S  # the drift did break the SLO
+    for _ in range(15):
+        s.step()
+    after = s.step_times[refit_at:]
+    assert after and max(after) <= SLO_S * 1.001
+    assert stats(0).num_refits == 1  # one drift, one refit
+    model = s.core.workers[0].step_cost
+    assert model is not None
+    assert abs(model.step_s([(256, 1000)], 8, 100) / TRUE_COST.step_s([(256, 1000)], 8, 100)
+               - 2.0) < 0.05
