@@ -26,6 +26,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from controller.core import DegradedConfig
 from controller.flow import FlowConfig
+from controller.journal import JournalConfig
 from controller.options import CacheConfig, ClusterConfig, ControllerOptions, WorkerConfig
 from controller.protections import CostModel, ProtectionConfig, per_token_cost_model
 from controller.scheduler import SchedulerConfig
@@ -153,6 +154,8 @@ class TokenflowConfig(BaseSettings):
         "Ray and Serve: resources, restarts, namespace, the HTTP edge."))
     recovery: RecoveryConfig = Field(default_factory=RecoveryConfig, description=(
         "Dead and hung workers: step deadlines, restart backoff, poison requests."))
+    journal: JournalConfig = Field(default_factory=JournalConfig, description=(
+        "The request journal in Redis (on when cluster.redis_url is set)."))
 
     def __init__(self, **data: Any) -> None:
         check_env()
@@ -187,7 +190,8 @@ class TokenflowConfig(BaseSettings):
         return ControllerOptions(
             worker=self.worker, cache=self.cache, scheduler=self.scheduler_config(),
             flow=self.flow, protections=self.protections, degraded=self.degraded,
-            cluster=self.cluster, recovery=self.recovery, cost_model=self.cost_model())
+            cluster=self.cluster, recovery=self.recovery, journal=self.journal,
+            cost_model=self.cost_model())
 
 
 def nest(dotted: dict[str, Any]) -> dict[str, dict[str, Any]]:

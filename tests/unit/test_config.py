@@ -107,7 +107,8 @@ def test_every_setting_is_documented() -> None:
     schema = TokenflowConfig.model_json_schema()
     sections = schema["$defs"]
     assert set(schema["properties"]) == {"worker", "cache", "scheduler", "flow", "protections",
-                                         "degraded", "calibration", "cluster", "recovery"}
+                                         "degraded", "calibration", "cluster", "recovery",
+                                         "journal"}
     for name, section in sections.items():
         for field, spec in section["properties"].items():
             assert spec.get("description"), f"{name}.{field} has no description"
