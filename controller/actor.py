@@ -37,12 +37,12 @@ from typing import Any
 
 import ray
 
-from controller.core import ControllerCore, PoolSpec
+from controller.core import ControllerCore, NoWorkerUpError, PoolSpec
 from controller.journal import Journal, JournalRecord
 from controller.messages import Ack, Delta, FinishReason, SamplingParams, StepResult
 from controller.options import ControllerOptions
 from controller.policies import make_scheduler_class
-from controller.request import Request, RequestOutput
+from controller.request import Request, RequestOutput, RequestStatus
 from controller.streams import Subscriber
 from controller.worker_loop import WorkerSlot
 
@@ -199,15 +199,20 @@ class ControllerActor:
             unclaimed = _Unclaimed(request.num_prompt_tokens, list(record.output_token_ids))
             self._unclaimed[record.request_id] = unclaimed
             status = request.check_stop() if request.output_token_ids else None
-            if status is not None:  # its last token ended it; the finish was not journaled
+            error = None
+            if status is None:
+                try:
+                    worker = core.restore_request(request)
+                except (ValueError, NoWorkerUpError) as err:  # the configuration changed
+                    status, error = RequestStatus.FINISHED_ABORTED, f"cannot resume: {err}"
+            if status is not None:  # its last token ended it (the finish was not journaled)
                 unclaimed.last = RequestOutput(
                     request.request_id, [], status.finish_reason, request.num_prompt_tokens,
-                    request.num_output_tokens)
+                    request.num_output_tokens, error=error)
                 if self.journal is not None:
                     self.journal.restore([record])
                     self.journal.record_output(unclaimed.last)
                 continue
-            worker = core.restore_request(request)
             self.slots[worker].num_routed += 1
             restored.append(record)
         if self.journal is not None:

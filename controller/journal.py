@@ -293,15 +293,25 @@ class Journal:
     def _write(self, ops: list[_Op]) -> None:
         ttl = self.config.finished_ttl_s
         pipe = self.redis.pipeline(transaction=False)
+        # Tokens of one request over the steps in this batch go out as one RPUSH (a step of
+        # 64 decodes is 64 commands; a batch often spans several steps).
+        request_to_tokens: dict[str, list[int]] = {}
+
+        def push_tokens(request_id: str) -> None:
+            tokens = request_to_tokens.pop(request_id, None)
+            if tokens:
+                pipe.rpush(self._key("tokens", request_id), *tokens)
+
         for op in ops:
             kind, request_id = op[0], op[1]
+            if kind == "tokens":
+                request_to_tokens.setdefault(request_id, []).extend(op[2])
+                continue
+            push_tokens(request_id)  # keep each request's commands in order
             if kind == "admit":  # also the catch-up of a request: its tokens follow
                 pipe.hset(self._key("request", request_id), "record", op[2])
                 pipe.delete(self._key("tokens", request_id))
                 pipe.sadd(self.unfinished_key, request_id)
-            elif kind == "tokens":
-                if op[2]:
-                    pipe.rpush(self._key("tokens", request_id), *op[2])
             elif kind == "chunk":
                 pipe.set(self.chunk_key(request_id, op[2]),
                          json.dumps({"start": op[3], "num_tokens": op[4]}))
@@ -315,6 +325,8 @@ class Journal:
                 for key in (self._key("request", request_id), self._key("tokens", request_id),
                             *(self.chunk_key(request_id, n) for n in range(num_chunks))):
                     pipe.expire(key, ttl)
+        for request_id in list(request_to_tokens):
+            push_tokens(request_id)
         pipe.execute()
         self.num_round_trips += 1
         self.num_ops_written += len(ops)
