@@ -92,3 +92,8 @@ class StandInWorkerActor:
 
     def num_active_requests(self) -> int:
         return len(self.states)
+
+    def reset(self) -> int:
+        num_requests = len(self.states)
+        self.states.clear()
+        return num_requests

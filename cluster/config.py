@@ -29,6 +29,7 @@ from cluster.metrics import MetricsConfig
 from controller.budget import BudgetTable, LinearStepCost
 from controller.core import DegradedConfig
 from controller.flow import FlowConfig
+from controller.journal import JournalConfig
 from controller.options import CacheConfig, ClusterConfig, ControllerOptions, WorkerConfig
 from controller.protections import CostModel, ProtectionConfig, per_token_cost_model
 from controller.scheduler import SchedulerConfig
@@ -171,6 +172,8 @@ class TokenflowConfig(BaseSettings):
         "Dead and hung workers: step deadlines, restart backoff, poison requests."))
     metrics: MetricsConfig = Field(default_factory=MetricsConfig, description=(
         "The /metrics exporter: tenant label cap, SLO reference lines."))
+    journal: JournalConfig = Field(default_factory=JournalConfig, description=(
+        "The request journal in Redis (on when cluster.redis_url is set)."))
 
     def __init__(self, **data: Any) -> None:
         check_env()
@@ -231,8 +234,8 @@ class TokenflowConfig(BaseSettings):
         return ControllerOptions(
             worker=self.worker, cache=self.cache, scheduler=self.scheduler_config(table),
             flow=self.flow, protections=self.protections, degraded=self.degraded,
-            cluster=self.cluster, recovery=self.recovery, cost_model=self.cost_model(table),
-            step_cost=step_cost, itl_slo_s=itl_slo_s)
+            cluster=self.cluster, recovery=self.recovery, journal=self.journal,
+            cost_model=self.cost_model(table), step_cost=step_cost, itl_slo_s=itl_slo_s)
 
 
 def nest(dotted: dict[str, Any]) -> dict[str, dict[str, Any]]:

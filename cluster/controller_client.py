@@ -7,6 +7,11 @@ streaming item costs an object plus a report RPC on both ends; per request and t
 ate as much CPU as the model on a small node (benchmarks/cluster_bench.py).
 The HTTP ingress, the remote batch runner, the benchmarks and the integration tests all use
 it. It unwraps Ray's task errors, so callers catch `QueueFullError` / `ValueError` as such.
+
+When the `subscribe` stream breaks (the controller died and Ray restarts it), the client
+subscribes again with backoff and calls `resume` with how many tokens of each open request
+it has delivered: the restarted controller sends the rest (from its journal, then new
+ones), so a consumer sees a pause, not an error, a gap or a duplicate.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
@@ -49,11 +55,18 @@ def _unwrap(err: Exception) -> Exception:
 
 
 class RayControllerClient:
-    def __init__(self, handle: Any) -> None:
+    def __init__(self, handle: Any, reconnect_backoff_s: float = 0.05,
+                 reconnect_backoff_max_s: float = 1.0, reconnect_timeout_s: float = 120.0
+                 ) -> None:
         self.handle = handle
         self._queues: dict[str, asyncio.Queue[Delta]] = {}  # unfinished request -> deltas
+        self._num_delivered: dict[str, int] = {}  # unfinished request -> tokens queued
         self._subscriber = ""
         self._pump_task: asyncio.Task[None] | None = None
+        self.reconnect_backoff_s = reconnect_backoff_s
+        self.reconnect_backoff_max_s = reconnect_backoff_max_s
+        self.reconnect_timeout_s = reconnect_timeout_s  # then every open request fails
+        self.num_reconnects = 0
 
     async def model_info(self) -> dict[str, Any]:
         return await self.handle.model_info.remote()
@@ -102,6 +115,7 @@ class RayControllerClient:
                     return
         finally:
             self._queues.pop(request_id, None)  # the consumer went away: drop the rest
+            self._num_delivered.pop(request_id, None)
 
     def _subscribe(self) -> str:
         if self._pump_task is None or self._pump_task.done():
@@ -112,22 +126,61 @@ class RayControllerClient:
         return self._subscriber
 
     async def _pump(self, subscriber: str) -> None:
+        to_resume: list[str] = []  # requests open when the stream broke
+        backoff, broken_since = self.reconnect_backoff_s, 0.0
         try:
-            refs = self.handle.subscribe.options(num_returns="streaming").remote(subscriber)
-            async for ref in refs:
-                for delta in await ref:
-                    # Popped once finished: a consumer that never reads holds nothing here.
-                    queue = (self._queues.pop(delta.request_id, None) if delta.is_finished
-                             else self._queues.get(delta.request_id))
-                    if queue is not None:  # else its consumer is gone: drop
-                        queue.put_nowait(delta)
-        except Exception:
-            logger.exception("the controller's delta stream broke")
+            while True:
+                try:
+                    refs = self.handle.subscribe.options(num_returns="streaming").remote(
+                        subscriber)
+                    if to_resume:
+                        await self._resume(subscriber, to_resume)
+                        to_resume = []
+                    async for ref in refs:
+                        self._dispatch(await ref)
+                        backoff, broken_since = self.reconnect_backoff_s, 0.0
+                    return  # the controller closed the stream
+                except Exception as err:
+                    to_resume = [rid for rid in to_resume or self._queues if rid in self._queues]
+                    if not to_resume:
+                        return  # nothing open: the next request subscribes again
+                    now = time.monotonic()
+                    broken_since = broken_since or now
+                    if now - broken_since > self.reconnect_timeout_s:
+                        logger.exception("the controller's delta stream broke for good")
+                        return
+                    logger.warning("the controller's delta stream broke (%s: %s), %d requests "
+                                   "open: subscribing again", type(err).__name__, err,
+                                   len(to_resume))
+                    await asyncio.sleep(backoff)  # a retry interval
+                    backoff = min(2 * backoff, self.reconnect_backoff_max_s)
         finally:
             # Every open request fails; the next request subscribes again.
             queues, self._queues = self._queues, {}
+            self._num_delivered.clear()
             for request_id, queue in queues.items():
                 queue.put_nowait(Delta.failed(request_id, "the controller's delta stream ended"))
+
+    async def _resume(self, subscriber: str, request_ids: list[str]) -> None:
+        positions = {rid: self._num_delivered.get(rid, 0) for rid in request_ids}
+        await self.handle.resume.remote(subscriber, positions)
+        self.num_reconnects += 1
+        logger.warning("resumed %d request streams on the controller", len(positions))
+
+    def _dispatch(self, batch: list[Delta]) -> None:
+        for delta in batch:
+            # Popped once finished: a consumer that never reads holds nothing here.
+            request_id = delta.request_id
+            if delta.is_finished:
+                queue = self._queues.pop(request_id, None)
+                self._num_delivered.pop(request_id, None)
+            else:
+                queue = self._queues.get(request_id)
+                if queue is not None:
+                    self._num_delivered[request_id] = (self._num_delivered.get(request_id, 0)
+                                                       + len(delta.token_ids))
+            if queue is not None:  # else its consumer is gone: drop
+                queue.put_nowait(delta)
 
 
 async def run_request(client: ControllerClient, prompt_token_ids: list[int],

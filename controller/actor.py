@@ -13,6 +13,14 @@ raises (ValueError: never runnable; QueueFullError: 429). Deltas that pile up wh
 consumer is slow are merged, never dropped (controller/streams.py).
 The worker actor class is named by an import path (`ControllerOptions.worker_cls`) so the
 controller has no static dependency on torch code; tests inject a `worker_factory` instead.
+
+Controller failure: the workers are named, detached actors, so they outlive the controller;
+Ray restarts the controller (`cluster.controller_max_restarts`), which reattaches to them,
+`reset()`s them (its pools are fresh) and, with a journal (`cluster.redis_url`), re-queues
+every unfinished request under its own id to recompute its prompt and generated tokens.
+A consumer whose `subscribe` stream broke subscribes again and calls `resume` with how many
+tokens of each request it already has; it gets the rest, journaled ones first, then new
+ones, with no gap and no duplicate (recomputation is deterministic).
 """
 
 from __future__ import annotations
@@ -20,19 +28,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import dataclasses
 import importlib
 import inspect
 import logging
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import ray
 
-from controller.core import ControllerCore, PoolSpec, QueueFullError
-from controller.messages import Ack, Delta, SamplingParams
+from controller.core import ControllerCore, NoWorkerUpError, PoolSpec, QueueFullError
+from controller.journal import Journal, JournalRecord
+from controller.messages import Ack, Delta, FinishReason, SamplingParams, StepResult
 from controller.options import ControllerOptions
 from controller.policies import make_scheduler_class
-from controller.request import Request, RequestOutput
+from controller.request import Request, RequestOutput, RequestStatus
 from controller.request_metrics import QUEUE_FULL, MetricsSnapshot, RequestMetrics
 from controller.streams import Subscriber
 from controller.worker_loop import WorkerSlot
@@ -49,13 +60,21 @@ def start_worker_actors(opts: ControllerOptions) -> list[Any]:
     use_gpu = wcfg.device != "cpu" and ray.cluster_resources().get("GPU", 0) >= 1
     num_workers = int(ray.cluster_resources()["GPU"]) if use_gpu else wcfg.num_workers
     resources = {"num_gpus": 1 if use_gpu else 0, "num_cpus": opts.cluster.worker_num_cpus}
-    return [worker_cls.options(max_restarts=opts.cluster.worker_max_restarts,
+    # Named and detached: a worker outlives the controller, and a restarted controller gets
+    # the running one back (get_if_exists) instead of loading the model again.
+    return [worker_cls.options(name=worker_name(i), namespace=opts.cluster.namespace,
+                               get_if_exists=True, lifetime="detached",
+                               max_restarts=opts.cluster.worker_max_restarts,
                                max_concurrency=1, **resources).remote(
         wcfg.model, cache.num_kv_blocks, cache.block_size, wcfg.dtype, wcfg.seed,
         "cuda" if use_gpu else "cpu", wcfg.telemetry, wcfg.peak_bandwidth_bytes_s,
         attention_backend=wcfg.attention_backend, cuda_graphs=wcfg.cuda_graphs,
         max_graph_batch=wcfg.max_graph_batch)
-        for _ in range(num_workers)]
+        for i in range(num_workers)]
+
+
+def worker_name(index: int) -> str:
+    return f"{CONTROLLER_NAME}-worker-{index}"
 
 
 # While workers start, how often the controller says what it is waiting for.
@@ -87,6 +106,16 @@ def _kill_actor(handle: Any) -> None:
 WorkerFactory = Callable[[ControllerOptions], Awaitable[list[Any]] | list[Any]]
 
 
+@dataclasses.dataclass
+class _Unclaimed:
+    """A request resumed from the journal that no consumer has claimed yet: its tokens
+    (journaled and new) wait here for `resume`."""
+
+    num_prompt_tokens: int
+    token_ids: list[int]
+    last: RequestOutput | None = None
+
+
 class ControllerActor:
     def __init__(self, options: ControllerOptions,
                  worker_factory: WorkerFactory | None = None,
@@ -105,6 +134,13 @@ class ControllerActor:
         self.waiting_for: str | None = None  # why startup has not finished, once it is slow
         self._num_starting = 0  # worker actors created, not yet answering
         self.request_metrics = RequestMetrics()  # latencies measured where deltas leave
+        self.journal: Journal | None = None
+        self.num_resumed = 0  # requests re-queued from the journal at start
+        self.num_resumed_streams = 0  # of those, claimed by a consumer's `resume`
+        self._unclaimed: dict[str, _Unclaimed] = {}
+        # request id -> tokens its consumer already has beyond what the journal held (the
+        # recomputation produces them again; they are not sent twice)
+        self._num_to_skip: dict[str, int] = {}
 
     # -- startup ------------------------------------------------------------------------
     async def _started(self) -> ControllerCore:
@@ -136,6 +172,12 @@ class ControllerActor:
             logger.warning("controller still starting: %s", self.waiting_for)
         infos = infos_task.result()
         self.waiting_for = None
+        # Workers that outlived an earlier controller still hold its requests.
+        num_held = await asyncio.gather(*(h.reset.remote() for h in handles))
+        if any(num_held):
+            logger.warning("reattached to workers holding %s requests of an earlier controller",
+                           num_held)
+        records = await self._open_journal()
         self.vocab_size = infos[0].vocab_size
         self.max_model_len = min([wcfg.max_model_len, *(i.max_model_len for i in infos)])
         self.core = ControllerCore(
@@ -153,9 +195,79 @@ class ControllerActor:
                       for w, (h, info) in enumerate(zip(handles, infos, strict=True))]
         for slot in self.slots:
             slot.on_requests_moved = self._wake_workers
+            slot.on_step = self._on_step
+        self._restore(records)
+        for slot in self.slots:
             slot.start()
-        logger.info("controller started with %d workers on %s", len(handles),
-                    ", ".join(sorted({i.device for i in infos})))
+        logger.info("controller started with %d workers on %s, %d requests resumed from the "
+                    "journal", len(handles), ", ".join(sorted({i.device for i in infos})),
+                    len(records))
+
+    async def _open_journal(self) -> list[JournalRecord]:
+        """Start the journal (when Redis is configured) and read back what an earlier
+        controller left unfinished."""
+        url = self.options.cluster.redis_url
+        if not url:
+            return []
+        self.journal = Journal(url, self.options.journal)
+        try:
+            return await asyncio.to_thread(self.journal.load_unfinished)
+        except Exception as err:  # Redis down: serve on, the earlier requests are lost
+            logger.error("could not read the journal, no request resumed: %s: %s",
+                         type(err).__name__, err)
+            return []
+
+    def _restore(self, records: list[JournalRecord]) -> None:
+        """Re-queue journaled requests to recompute under their own ids; their tokens wait
+        in `_unclaimed` until a consumer resumes them (or `resume_timeout_s` passes)."""
+        core = self.core
+        assert core is not None
+        restored = []
+        for record in records:
+            request = Request(record.request_id, record.prompt_token_ids, record.params,
+                              eos_token_ids=core.eos_token_ids, priority=record.priority,
+                              arrival_time=core.clock(), tenant=record.tenant,
+                              max_model_len=core.max_model_len,
+                              output_token_ids=list(record.output_token_ids))
+            unclaimed = _Unclaimed(request.num_prompt_tokens, list(record.output_token_ids))
+            self._unclaimed[record.request_id] = unclaimed
+            status = request.check_stop() if request.output_token_ids else None
+            error = None
+            if status is None:
+                try:
+                    worker = core.restore_request(request)
+                except (ValueError, NoWorkerUpError) as err:  # the configuration changed
+                    status, error = RequestStatus.FINISHED_ABORTED, f"cannot resume: {err}"
+            if status is not None:  # its last token ended it (the finish was not journaled)
+                unclaimed.last = RequestOutput(
+                    request.request_id, [], status.finish_reason, request.num_prompt_tokens,
+                    request.num_output_tokens, error=error)
+                if self.journal is not None:
+                    self.journal.restore([record])
+                    self.journal.record_output(unclaimed.last)
+                continue
+            self.slots[worker].num_routed += 1
+            restored.append(record)
+        if self.journal is not None:
+            self.journal.restore(restored)
+            self.journal.end_step()
+        self.num_resumed = len(records)
+        if records:
+            asyncio.get_running_loop().call_later(
+                self.options.journal.resume_timeout_s, self._abort_unclaimed)
+
+    def _abort_unclaimed(self) -> None:
+        """Nobody resumed these after a restart: their consumers are gone too."""
+        unclaimed, self._unclaimed = self._unclaimed, {}
+        if unclaimed:
+            logger.warning("aborting %d journaled requests nobody resumed", len(unclaimed))
+        for request_id in unclaimed:
+            self._abort(request_id)
+
+    def _on_step(self, result: StepResult) -> None:
+        if self.journal is not None:
+            self.journal.record_chunks(result.chunk_events)
+            self.journal.end_step()
 
 
     async def model_info(self) -> dict[str, Any]:
@@ -171,6 +283,8 @@ class ControllerActor:
                params: SamplingParams, request_id: str | None, priority: int,
                tenant: str) -> tuple[Request, int]:
         request = core.add_request(prompt_token_ids, params, request_id, priority, tenant)
+        if self.journal is not None:
+            self.journal.admit(request)
         worker = core.request_to_worker[request.request_id]
         self.slots[worker].num_routed += 1
         self.slots[worker].notify()
@@ -212,6 +326,41 @@ class ControllerActor:
                 self._subscriber_of.pop(request_id, None)
                 self._abort(request_id)
 
+    async def resume(self, subscriber: str, request_to_num_tokens: dict[str, int]
+                     ) -> dict[str, bool]:
+        """Attach requests to `subscriber` after a restart: each one's tokens from
+        position `request_to_num_tokens[id]` on go to `subscribe(subscriber)`, journaled
+        ones at once, then new ones. A request this controller does not know (no journal,
+        or admitted too shortly before the crash to be journaled) gets an error delta.
+        Returns request id -> whether it was resumed."""
+        core = await self._started()
+        sub = self._subscribers.setdefault(subscriber, Subscriber())
+        resumed = {}
+        for request_id, num_delivered in request_to_num_tokens.items():
+            unclaimed = self._unclaimed.pop(request_id, None)
+            resumed[request_id] = unclaimed is not None
+            if unclaimed is None:
+                sub.push(RequestOutput(
+                    request_id, [], FinishReason.ABORT, 0, 0,
+                    error="the controller restarted and cannot resume this request (no "
+                          "journal, or admitted just before the crash)"))
+                continue
+            self.num_resumed_streams += 1
+            tokens, last = unclaimed.token_ids, unclaimed.last
+            out = RequestOutput(request_id, tokens[num_delivered:],
+                                last.finish_reason if last else None,
+                                unclaimed.num_prompt_tokens, len(tokens),
+                                last.num_cached_tokens if last else 0,
+                                last.error if last else None)
+            sub.add(request_id, core.request_to_worker.get(request_id, -1))
+            if num_delivered > len(tokens):
+                self._num_to_skip[request_id] = num_delivered - len(tokens)
+            if not out.finished:
+                self._subscriber_of[request_id] = sub
+            if out.new_token_ids or out.finished:
+                sub.push(out)
+        return resumed
+
     async def abort(self, request_id: str) -> bool:
         """Abort a queued or running request; its blocks are released at once and the
         worker is told on its next step. False when the request is unknown or finished."""
@@ -227,19 +376,39 @@ class ControllerActor:
         self.num_aborted += 1
         self.slots[worker].after_release()
         self._deliver(out)
+        if self.journal is not None:
+            self.journal.end_step()
         return True
 
     def _deliver(self, out: RequestOutput) -> None:
+        request_id = out.request_id
+        if self.journal is not None:
+            self.journal.record_output(out)
+        unclaimed = self._unclaimed.get(request_id)
+        if unclaimed is not None:  # resumed from the journal, its consumer not back yet
+            unclaimed.token_ids.extend(out.new_token_ids)
+            unclaimed.last = out
+            return
+        num_to_skip = self._num_to_skip.pop(request_id, 0)
+        if num_to_skip:  # recomputed tokens the consumer had before the restart
+            num_skipped = min(num_to_skip, len(out.new_token_ids))
+            out = dataclasses.replace(out, new_token_ids=out.new_token_ids[num_skipped:])
+            if num_to_skip > num_skipped and not out.finished:
+                self._num_to_skip[request_id] = num_to_skip - num_skipped
         assert self.core is not None
         self.request_metrics.on_output(out, self.core.clock())
-        subscriber = self._subscriber_of.get(out.request_id)
-        if subscriber is not None:
+        subscriber = self._subscriber_of.get(request_id)
+        if subscriber is not None and (out.new_token_ids or out.finished):
             subscriber.push(out)
 
     # -- introspection -------------------------------------------------------------------
     async def stats(self) -> dict[str, Any]:
         await self._started()
-        return {"workers": [slot.stats() for slot in self.slots],
+        journal = self.journal.stats() if self.journal is not None else None
+        return {"workers": [slot.stats() for slot in self.slots], "pid": os.getpid(),
+                "journal": dataclasses.asdict(journal) if journal is not None else None,
+                "num_resumed": self.num_resumed, "num_resumed_streams": self.num_resumed_streams,
+                "num_unclaimed": len(self._unclaimed),
                 "num_streams": len(self._subscriber_of),
                 "num_subscribers": len(self._subscribers), "num_aborted": self.num_aborted,
                 "num_unfinished": len(self.core.request_to_worker) if self.core else 0}
@@ -316,6 +485,34 @@ class ControllerActor:
     def _wake_workers(self, workers: list[int]) -> None:
         for w in workers:
             self.slots[w].notify()
+
+    async def shutdown(self) -> None:
+        """Kill the (detached) workers and close the journal: they outlive the controller
+        otherwise. Unfinished requests stay journaled."""
+        for slot in self.slots:
+            if slot.task is not None:
+                slot.task.cancel()
+        for slot in self.slots:
+            _kill_for_good(slot.handle)
+        if not self.slots:  # not started (yet) in this incarnation: find them by name
+            for i in range(self.options.worker.num_workers):
+                try:
+                    _kill_for_good(ray.get_actor(worker_name(i), self.options.cluster.namespace))
+                except ValueError:
+                    break
+        if self.journal is not None:
+            await asyncio.to_thread(self.journal.close, 5.0)
+            self.journal = None
+
+
+def _kill_for_good(handle: Any) -> None:
+    if not isinstance(handle, ray.actor.ActorHandle):
+        return  # a test's fake worker
+    try:
+        ray.kill(handle, no_restart=True)
+    except Exception as err:  # already gone
+        logger.warning("could not kill worker: %s", err)
+
 
 def get_or_create_controller(options: ControllerOptions) -> ray.actor.ActorHandle:
     """The named singleton: created on first call, the existing actor afterwards."""

@@ -254,6 +254,17 @@ class ControllerCore:
         self.request_to_worker[request.request_id] = worker
         return request
 
+    def restore_request(self, request: Request) -> int:
+        """Queue a request an earlier controller admitted (read back from the journal) under
+        its own id: it recomputes its prompt and the tokens it already generated, then
+        continues where it stopped. Returns its worker."""
+        if request.request_id in self.request_to_worker:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        worker = self.route(request)
+        self.workers[worker].scheduler.add_request(request)
+        self.request_to_worker[request.request_id] = worker
+        return worker
+
     def route(self, request: Request) -> int:
         """Prefix affinity first (the worker holding most of the prompt's blocks), then
         least loaded: KV usage plus queued tokens relative to the pool."""

@@ -14,6 +14,7 @@ from typing import Literal
 from controller.budget import LinearStepCost
 from controller.core import DegradedConfig
 from controller.flow import FlowConfig
+from controller.journal import JournalConfig
 from controller.protections import CostModel, ProtectionConfig
 from controller.scheduler import SchedulerConfig
 from controller.settings import FORBID_EXTRA, check_settings, setting
@@ -96,7 +97,9 @@ class ClusterConfig:
     port: int = setting(8000, ge=1, le=65535, description="HTTP port of the Serve ingress.")
     namespace: str = setting("tokenflow", description="Ray namespace of the named actors.")
     redis_url: str | None = setting(None, description=(
-        "Redis for request persistence; None keeps it in memory (the embedded default)."))
+        "Redis of the request journal (redis://host:port/db): a restarted controller "
+        "resumes every unfinished request from it. None: no journal (the embedded default "
+        "still serves; a controller restart then fails the open requests)."))
     worker_num_cpus: float = setting(0.5, gt=0, description=(
         "Ray CPUs reserved per CPU worker actor (fractional on small machines)."))
     worker_max_restarts: int = setting(-1, ge=-1, description=(
@@ -104,8 +107,9 @@ class ClusterConfig:
         "move to the other workers either way, and it rejoins routing once it is back."))
     controller_num_cpus: float = setting(0.25, ge=0, description=(
         "Ray CPUs reserved for the controller actor (it mostly waits on workers)."))
-    controller_max_restarts: int = setting(3, ge=-1, description=(
-        "Times Ray restarts a dead controller actor (-1: without limit)."))
+    controller_max_restarts: int = setting(-1, ge=-1, description=(
+        "Times Ray restarts a dead controller actor (-1: without limit). The workers "
+        "outlive it (named, detached actors) and the restarted controller reattaches."))
     controller_max_concurrency: int = setting(10_000, ge=16, description=(
         "Concurrent calls the async controller accepts: one per open request stream."))
     detached_controller: bool = setting(False, description=(
@@ -147,6 +151,7 @@ class ControllerOptions:
     degraded: DegradedConfig = field(default_factory=DegradedConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    journal: JournalConfig = field(default_factory=JournalConfig)
     cost_model: CostModel | None = None  # None: protections.seconds_per_token per token
     step_cost: LinearStepCost | None = None  # a budget table's: chunks sized per step
     itl_slo_s: float | None = None  # what step_cost sizes chunks for

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from controller.core import ControllerCore
+from controller.messages import StepResult
 from controller.request import RequestOutput
 from controller.settings import FORBID_EXTRA, check_settings, setting
 
@@ -74,6 +75,8 @@ class WorkerSlot:
         self.recovery = recovery or RecoveryConfig()
         # Called with the workers that received this worker's requests after a failure.
         self.on_requests_moved: Callable[[list[int]], None] = lambda workers: None
+        # Called after each step's outputs were delivered (the journal's step boundary).
+        self.on_step: Callable[[StepResult], None] = lambda result: None
         self.num_hangs = 0
         self.up = asyncio.Event()  # cleared from a failure until the worker is back
         self.up.set()
@@ -154,6 +157,7 @@ class WorkerSlot:
         outputs = self.core.finish_step(self.index, plan, result)
         for out in outputs:
             self.deliver(out)
+        self.on_step(result)
         if any(out.error for out in outputs):
             self.notify()  # a protection aborted a request: the worker must hear of it
         wall = time.perf_counter() - start

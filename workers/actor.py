@@ -77,6 +77,13 @@ class WorkerActor:
     def held_block_ids(self) -> set[int]:
         return self.worker.held_block_ids()
 
+    def reset(self) -> int:
+        """Forget every request; returns how many there were. A (restarted) controller
+        calls it before its first plan: this process outlived the one that planned them."""
+        num_requests = self.worker.num_active_requests
+        self.worker.reset()
+        return num_requests
+
     def num_active_requests(self) -> int:
         return self.worker.num_active_requests
 

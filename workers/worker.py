@@ -192,6 +192,11 @@ class Worker:
     def held_block_ids(self) -> set[int]:
         return {b for state in self._requests.values() for b in state.block_ids.tolist()}
 
+    def reset(self) -> None:
+        """Drop every request (a restarted controller knows none of them; its pool is
+        fresh, so the KV rows left behind are never read as a cached prefix)."""
+        self._requests.clear()
+
     # ---- plan diffs -------------------------------------------------------------------------
     def _check_blocks(self, block_ids: list[int]) -> None:
         bad = [b for b in block_ids if not 0 <= b < self.num_kv_blocks]

@@ -42,6 +42,7 @@ def controller(cluster):
     controller = get_or_create_controller(config.controller_options())
     ray.get(controller.model_info.remote(), timeout=120)
     yield controller
+    ray.get(controller.shutdown.remote(), timeout=60)  # the workers are detached
     ray.kill(controller)
 
 

@@ -30,7 +30,8 @@ class FakeRunner:
     def __init__(self, scheduler: Scheduler | None = None, vocab_size: int = 100, seed: int = 0,
                  chunk_cost: Callable[[str, int, int], float] | None = None,
                  bandwidth: Callable[[], float | None] | None = None,
-                 block_size: int | None = None):
+                 block_size: int | None = None,
+                 sample: Callable[[list[int]], int] | None = None):
         self.scheduler = scheduler  # only for `step()`; execute reads the plan alone
         self.vocab_size = vocab_size
         if block_size is None:
@@ -43,6 +44,8 @@ class FakeRunner:
         # (request_id, start, num_tokens) -> seconds the chunk "took"
         self.chunk_cost = chunk_cost or (lambda rid, start, n: 1e-4 * n)
         self.bandwidth = bandwidth or (lambda: None)
+        # token ids so far -> the next token; default: a seeded draw (depends on step order)
+        self.sample = sample or (lambda token_ids: self.rng.randrange(self.vocab_size))
 
     @property
     def held(self) -> dict[str, list[int]]:
@@ -78,7 +81,7 @@ class FakeRunner:
             assert num_new > 0 and end <= len(req.token_ids), (request_id, start, num_new)
             assert end <= len(req.block_ids) * self.block_size, "block table too small"
             req.num_computed_tokens = end
-            sampled = [self.rng.randrange(self.vocab_size)] if end == len(req.token_ids) else []
+            sampled = [self.sample(req.token_ids)] if end == len(req.token_ids) else []
             req.token_ids.extend(sampled)
             result.sampled_token_ids[request_id] = sampled
             if start < req.num_prompt_tokens:

@@ -108,7 +108,7 @@ def test_every_setting_is_documented() -> None:
     sections = schema["$defs"]
     assert set(schema["properties"]) == {"worker", "cache", "scheduler", "flow", "protections",
                                          "degraded", "calibration", "cluster", "recovery",
-                                         "metrics"}
+                                         "metrics", "journal"}
     for name, section in sections.items():
         for field, spec in section["properties"].items():
             assert spec.get("description"), f"{name}.{field} has no description"

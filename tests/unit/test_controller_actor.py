@@ -56,6 +56,7 @@ class FakeWorkerHandle:
         self.execute = _Method(self._execute)
         self.held_block_ids = _Method(self._held)
         self.info = _Method(self._info)
+        self.reset = _Method(self._reset)
 
     def restart(self) -> None:
         """What a SIGKILL plus Ray's restart does: a new process with no KV and no state."""
@@ -88,6 +89,11 @@ class FakeWorkerHandle:
         await self.gate.wait()
         self.num_steps += 1
         return result
+
+    async def _reset(self) -> int:
+        num_requests = len(self.runner.requests)
+        self.runner.requests.clear()
+        return num_requests
 
     async def _held(self) -> set[int]:
         return {b for blocks in self.runner.held.values() for b in blocks}

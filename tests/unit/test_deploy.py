@@ -14,7 +14,16 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
 
 def load(name: str) -> Any:
-    return yaml.safe_load((DEPLOY / name).read_text())
+    """The file's first (or only) YAML document."""
+    return load_all(name)[0]
+
+
+def load_all(name: str) -> list[Any]:
+    return list(yaml.safe_load_all((DEPLOY / name).read_text()))
+
+
+def _env(container: dict[str, Any]) -> dict[str, str]:
+    return {var["name"]: var["value"] for var in container.get("env", [])}
 
 
 def test_serve_config_is_valid() -> None:
@@ -44,3 +53,28 @@ def test_cluster_launcher_config_validates() -> None:
     validate_config(prepare_config(config))
     # Redis (request persistence) owns 6379 on the head; Ray's GCS must not take it.
     assert any("--port=6380" in cmd for cmd in config["head_start_ray_commands"])
+
+
+def test_rayservice_defines_the_journal_redis_it_points_at() -> None:
+    docs = load_all("kuberay-rayservice.yaml")
+    services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+    deployments = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
+    cluster = docs[0]["spec"]["rayClusterConfig"]
+    pods = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+    for pod in pods:
+        (container,) = pod["template"]["spec"]["containers"]
+        url = _env(container)["TOKENFLOW_CLUSTER__REDIS_URL"]
+        host = url.split("//")[1].split(":")[0]
+        assert host in services, f"{url} names no Service of this file"
+        selector = services[host]["spec"]["selector"]
+        assert any(d["spec"]["template"]["metadata"]["labels"] == selector
+                   for d in deployments.values())
+        TokenflowConfig(cluster={"redis_url": url})
+
+
+def test_cluster_launcher_points_every_node_at_the_heads_redis() -> None:
+    config = load("ray-cluster.yaml")
+    assert any("redis-server" in cmd for cmd in config["setup_commands"])
+    for commands in (config["head_start_ray_commands"], config["worker_start_ray_commands"]):
+        start = next(cmd for cmd in commands if "ray start" in cmd)
+        assert "TOKENFLOW_CLUSTER__REDIS_URL=redis://" in start and ":6379/0" in start

@@ -1,0 +1,397 @@
+"""The request journal in Redis: what a restarted controller needs to finish every request.
+
+Per admitted request (`{prefix}` is `JournalConfig.key_prefix`):
+- `{prefix}request:{id}`: a hash; `record` is the JSON of the request as admitted (prompt
+  token ids, sampling params with their seed, tenant, priority, arrival), `num_chunks`,
+  and once finished `finish_reason` / `error`.
+- `{prefix}tokens:{id}`: the generated token ids, a list appended to every step.
+- `{prefix}prefill:{id}:chunk_{n}`: prefill chunk n's progress, `{"start", "num_tokens"}`.
+- `{prefix}requests:unfinished`: the set of ids still running, what a restart reads.
+A finished request's keys expire after `finished_ttl_s`.
+
+The step loop only appends to an in-memory buffer (bounded) and an in-memory mirror of
+every unfinished request; a writer thread drains the buffer in ONE pipelined round trip
+per wake-up, so Redis latency never reaches a step. When Redis goes away the journal
+pauses (a rate-limited warning, counters), retries with backoff and, once Redis answers,
+catches up by re-writing the full state of every unfinished request from the mirror (and
+expiring those that finished meanwhile): nothing is lost, the writes are idempotent. A
+buffer overflow is handled the same way. Ray-free and torch-free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from controller.messages import ChunkComplete, SamplingParams
+from controller.request import Request, RequestOutput
+from controller.settings import FORBID_EXTRA, check_settings, setting
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class JournalConfig:
+    """The request journal in Redis (`journal:`); on when `cluster.redis_url` is set."""
+
+    __pydantic_config__ = FORBID_EXTRA
+
+    key_prefix: str = setting("", description=(
+        "Prefix of every journal key, to keep deployments sharing one Redis apart."))
+    finished_ttl_s: int = setting(3600, ge=1, description=(
+        "Seconds a finished request's keys stay in Redis before they expire."))
+    max_buffered_ops: int = setting(200_000, ge=1, description=(
+        "Journal writes buffered for the writer thread; beyond it the buffer is dropped and "
+        "the full state of every unfinished request is re-written instead (no loss)."))
+    reconnect_backoff_s: float = setting(0.1, gt=0, description=(
+        "First wait before retrying an unreachable Redis; doubles up to the maximum."))
+    reconnect_backoff_max_s: float = setting(2.0, gt=0, description=(
+        "Longest wait between tries to reach Redis."))
+    socket_timeout_s: float = setting(2.0, gt=0, description=(
+        "Redis socket connect and read timeout: how long a dead Redis can hold the writer."))
+    warn_interval_s: float = setting(10.0, ge=0, description=(
+        "At most one 'journal paused' warning per this many seconds."))
+    resume_timeout_s: float = setting(120.0, gt=0, description=(
+        "After a controller restart, a journaled request that no consumer resumed within "
+        "this many seconds is aborted (its consumer is gone too)."))
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+
+
+@dataclass
+class JournalRecord:
+    """One request as the journal holds it; enough to recompute it under its own id."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    tenant: str = "default"
+    priority: int = 0
+    arrival_time: float = 0.0  # wall clock (s since the epoch) at admission
+    output_token_ids: list[int] = field(default_factory=list)
+    # chunk index -> (start, num_tokens) of the prefill chunks completed so far
+    chunks: dict[int, tuple[int, int]] = field(default_factory=dict)
+    finish_reason: str | None = None
+    error: str | None = None
+
+    @classmethod
+    def of(cls, request: Request) -> JournalRecord:
+        return cls(request.request_id, list(request.prompt_token_ids), request.sampling_params,
+                   request.tenant, request.priority, time.time(),
+                   list(request.output_token_ids))
+
+    def static_json(self) -> str:
+        """What never changes after admission."""
+        params = dataclasses.asdict(self.params)
+        return json.dumps({"prompt_token_ids": self.prompt_token_ids, "params": params,
+                           "tenant": self.tenant, "priority": self.priority,
+                           "arrival_time": self.arrival_time})
+
+    @classmethod
+    def from_redis(cls, request_id: str, fields: dict[str, str], tokens: list[str],
+                   chunks: dict[int, tuple[int, int]]) -> JournalRecord:
+        static = json.loads(fields["record"])
+        params = static["params"]
+        for name in ("stop_token_ids", "stop"):
+            params[name] = tuple(params[name])
+        return cls(request_id, static["prompt_token_ids"], SamplingParams(**params),
+                   static["tenant"], static["priority"], static["arrival_time"],
+                   [int(t) for t in tokens], chunks, fields.get("finish_reason"),
+                   fields.get("error"))
+
+
+@dataclass(frozen=True)
+class JournalStats:
+    is_paused: bool
+    num_pauses: int  # times Redis became unreachable
+    num_write_errors: int
+    num_catch_ups: int  # full re-writes after a pause or an overflow
+    num_overflows: int
+    num_round_trips: int
+    num_ops_written: int
+    num_buffered_ops: int
+    num_unfinished: int
+
+
+# A buffered write: the writer turns each into pipeline commands.
+_Op = tuple[Any, ...]
+
+
+class Journal:
+    def __init__(self, url: str, config: JournalConfig | None = None) -> None:
+        self.config = cfg = config or JournalConfig()
+        # No retries inside the client: the writer thread owns backoff and catch-up.
+        self.redis = redis.Redis.from_url(
+            url, socket_timeout=cfg.socket_timeout_s, socket_connect_timeout=cfg.socket_timeout_s,
+            retry=Retry(NoBackoff(), 0), decode_responses=True)
+        self._cond = threading.Condition()
+        self._ops: list[_Op] = []
+        self._records: dict[str, JournalRecord] = {}  # the mirror of unfinished requests
+        # Set while paused or after an overflow: the next write is a full catch-up, so
+        # nothing is buffered meanwhile; finishes are remembered to expire their keys.
+        self._needs_catch_up = False
+        self._finished_meanwhile: dict[str, tuple[str, str | None, int]] = {}
+        self._is_paused = False
+        self._is_writing = False
+        self._stopping = False
+        self._last_warning = float("-inf")
+        self.num_pauses = self.num_write_errors = self.num_catch_ups = 0
+        self.num_overflows = self.num_round_trips = self.num_ops_written = 0
+        self._thread = threading.Thread(target=self._run, name="journal-writer", daemon=True)
+        self._thread.start()
+
+    # -- keys -------------------------------------------------------------------------------
+    def _key(self, kind: str, request_id: str) -> str:
+        return f"{self.config.key_prefix}{kind}:{request_id}"
+
+    def chunk_key(self, request_id: str, chunk_index: int) -> str:
+        return f"{self.config.key_prefix}prefill:{request_id}:chunk_{chunk_index}"
+
+    @property
+    def unfinished_key(self) -> str:
+        return f"{self.config.key_prefix}requests:unfinished"
+
+    # -- the step loop's side (cheap: memory only) -------------------------------------------
+    def admit(self, request: Request) -> None:
+        record = JournalRecord.of(request)
+        with self._cond:
+            self._records[record.request_id] = record
+            self._push(("admit", record.request_id, record.static_json()))
+            self._cond.notify()
+
+    def restore(self, records: list[JournalRecord]) -> None:
+        """Records read back after a restart: journaled from now on as if just admitted
+        (their keys are already in Redis)."""
+        with self._cond:
+            for record in records:
+                self._records[record.request_id] = record
+
+    def record_output(self, out: RequestOutput) -> None:
+        with self._cond:
+            record = self._records.get(out.request_id)
+            if record is None:
+                return  # not journaled (admitted before a restart that lost it)
+            if out.new_token_ids:
+                record.output_token_ids.extend(out.new_token_ids)
+                self._push(("tokens", out.request_id, list(out.new_token_ids)))
+            if out.finished:
+                del self._records[out.request_id]
+                self._push(("finish", out.request_id, str(out.finish_reason), out.error,
+                            len(record.chunks)))
+
+    def record_chunks(self, events: list[ChunkComplete]) -> None:
+        with self._cond:
+            for event in events:
+                record = self._records.get(event.request_id)
+                if record is None:
+                    continue
+                record.chunks[event.chunk_index] = (event.start, event.num_tokens)
+                self._push(("chunk", event.request_id, event.chunk_index, event.start,
+                            event.num_tokens))
+
+    def end_step(self) -> None:
+        """The step's writes are buffered: let the writer send them in one round trip."""
+        with self._cond:
+            if self._ops:
+                self._cond.notify()
+
+    def _push(self, op: _Op) -> None:
+        if self._needs_catch_up:
+            # The catch-up writes the mirror's state, which includes this op; only a finish
+            # (its request left the mirror) must be remembered.
+            if op[0] == "finish":
+                self._finished_meanwhile[op[1]] = op[2:]
+            return
+        if len(self._ops) >= self.config.max_buffered_ops:
+            self.num_overflows += 1
+            self._drop_buffer()
+            self._cond.notify()
+            self._push(op)
+            return
+        self._ops.append(op)
+
+    def _drop_buffer(self, *more: list[_Op]) -> None:
+        """Give up buffered writes for a catch-up; keep their finishes. Lock held."""
+        for ops in (*more, self._ops):
+            for op in ops:
+                if op[0] == "finish":
+                    self._finished_meanwhile.setdefault(op[1], op[2:])
+        self._ops = []
+        self._needs_catch_up = True
+
+    # -- the writer thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        cfg = self.config
+        backoff = cfg.reconnect_backoff_s
+        while True:
+            with self._cond:
+                while not (self._ops or self._needs_catch_up or self._stopping):
+                    self._cond.wait()
+                if self._stopping and not self._ops and not self._needs_catch_up:
+                    return
+                is_catch_up = self._needs_catch_up
+                if is_catch_up:
+                    # Atomic with the producers: ops pushed after this go on top of it.
+                    ops = self._catch_up_ops()
+                    self._needs_catch_up = False
+                    self._finished_meanwhile = {}
+                else:
+                    ops = self._ops
+                self._ops = []
+                self._is_writing = True
+            try:
+                self._write(ops)
+            except redis.RedisError as err:
+                with self._cond:
+                    self._is_writing = False
+                    self.num_write_errors += 1
+                    if not self._is_paused:
+                        self.num_pauses += 1
+                    self._is_paused = True
+                    # The failed batch may be half applied: re-write it all once Redis is
+                    # back (ops buffered since would land on top of a stale state).
+                    self._drop_buffer(ops)
+                    self._cond.notify_all()
+                    if self._stopping:
+                        return
+                self._warn(err)
+                with self._cond:  # a retry interval, cut short by close()
+                    self._cond.wait_for(lambda: self._stopping, backoff)
+                backoff = min(2 * backoff, cfg.reconnect_backoff_max_s)
+                continue
+            backoff = cfg.reconnect_backoff_s
+            with self._cond:
+                self._is_writing = False
+                if is_catch_up:
+                    self.num_catch_ups += 1
+                if self._is_paused:
+                    self._is_paused = False
+                    logger.warning("journal: Redis is back, %d unfinished requests re-written",
+                                   len(self._records))
+                self._cond.notify_all()
+
+    def _catch_up_ops(self) -> list[_Op]:
+        ops: list[_Op] = []
+        for record in self._records.values():
+            ops.append(("admit", record.request_id, record.static_json()))
+            ops.append(("tokens", record.request_id, list(record.output_token_ids)))
+            ops.extend(("chunk", record.request_id, n, start, num)
+                       for n, (start, num) in record.chunks.items())
+        ops.extend(("finish", rid, *finish) for rid, finish in self._finished_meanwhile.items())
+        return ops
+
+    def _write(self, ops: list[_Op]) -> None:
+        ttl = self.config.finished_ttl_s
+        pipe = self.redis.pipeline(transaction=False)
+        # Tokens of one request over the steps in this batch go out as one RPUSH (a step of
+        # 64 decodes is 64 commands; a batch often spans several steps).
+        request_to_tokens: dict[str, list[int]] = {}
+
+        def push_tokens(request_id: str) -> None:
+            tokens = request_to_tokens.pop(request_id, None)
+            if tokens:
+                pipe.rpush(self._key("tokens", request_id), *tokens)
+
+        for op in ops:
+            kind, request_id = op[0], op[1]
+            if kind == "tokens":
+                request_to_tokens.setdefault(request_id, []).extend(op[2])
+                continue
+            push_tokens(request_id)  # keep each request's commands in order
+            if kind == "admit":  # also the catch-up of a request: its tokens follow
+                pipe.hset(self._key("request", request_id), "record", op[2])
+                pipe.delete(self._key("tokens", request_id))
+                pipe.sadd(self.unfinished_key, request_id)
+            elif kind == "chunk":
+                pipe.set(self.chunk_key(request_id, op[2]),
+                         json.dumps({"start": op[3], "num_tokens": op[4]}))
+                pipe.hset(self._key("request", request_id), "num_chunks", op[2] + 1)
+            else:  # finish
+                reason, error, num_chunks = op[2], op[3], op[4]
+                pipe.hset(self._key("request", request_id), "finish_reason", reason)
+                if error:
+                    pipe.hset(self._key("request", request_id), "error", error)
+                pipe.srem(self.unfinished_key, request_id)
+                for key in (self._key("request", request_id), self._key("tokens", request_id),
+                            *(self.chunk_key(request_id, n) for n in range(num_chunks))):
+                    pipe.expire(key, ttl)
+        for request_id in list(request_to_tokens):
+            push_tokens(request_id)
+        pipe.execute()
+        self.num_round_trips += 1
+        self.num_ops_written += len(ops)
+
+    def _warn(self, err: Exception) -> None:
+        now = time.monotonic()
+        if now - self._last_warning >= self.config.warn_interval_s:
+            self._last_warning = now
+            logger.warning("journal paused, Redis unreachable (%d write errors so far), "
+                           "serving on: %s: %s", self.num_write_errors, type(err).__name__, err)
+
+    # -- reading back -------------------------------------------------------------------------
+    def load_unfinished(self) -> list[JournalRecord]:
+        """Every request the journal holds as unfinished, in arrival order."""
+        ids = sorted(self.redis.smembers(self.unfinished_key))
+        pipe = self.redis.pipeline(transaction=False)
+        for request_id in ids:
+            pipe.hgetall(self._key("request", request_id))
+            pipe.lrange(self._key("tokens", request_id), 0, -1)
+        replies = pipe.execute()
+        found: list[tuple[str, dict[str, str], list[str]]] = []
+        for i, request_id in enumerate(ids):
+            fields, tokens = replies[2 * i], replies[2 * i + 1]
+            if "record" in fields and "finish_reason" not in fields:
+                found.append((request_id, fields, tokens))
+        pipe = self.redis.pipeline(transaction=False)
+        for request_id, fields, _ in found:
+            for n in range(int(fields.get("num_chunks", 0))):
+                pipe.get(self.chunk_key(request_id, n))
+        chunk_values = iter(pipe.execute())
+        records = []
+        for request_id, fields, tokens in found:
+            chunks = {}
+            for n in range(int(fields.get("num_chunks", 0))):
+                value = next(chunk_values)
+                if value is not None:
+                    chunk = json.loads(value)
+                    chunks[n] = (chunk["start"], chunk["num_tokens"])
+            records.append(JournalRecord.from_redis(request_id, fields, tokens, chunks))
+        return sorted(records, key=lambda r: r.arrival_time)
+
+    # -- state --------------------------------------------------------------------------------
+    def flush(self, timeout_s: float, *, until_paused: bool = True) -> bool:
+        """Wait until everything recorded so far is in Redis (True), or the timeout passes
+        (False); with `until_paused`, also stop waiting (False) once Redis is found
+        unreachable."""
+        def is_done() -> bool:
+            return not (self._ops or self._needs_catch_up or self._is_writing)
+
+        with self._cond:
+            self._cond.wait_for(lambda: is_done() or (until_paused and self._is_paused),
+                                timeout_s)
+            return is_done()
+
+    def stats(self) -> JournalStats:
+        with self._cond:
+            return JournalStats(self._is_paused, self.num_pauses, self.num_write_errors,
+                                self.num_catch_ups, self.num_overflows, self.num_round_trips,
+                                self.num_ops_written, len(self._ops), len(self._records))
+
+    def close(self, flush_timeout_s: float = 0.0) -> None:
+        if flush_timeout_s > 0:
+            self.flush(flush_timeout_s)
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join(timeout=self.config.socket_timeout_s + 1)
+        self.redis.close()
