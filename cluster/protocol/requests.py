@@ -13,12 +13,15 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from cluster.protocol.errors import _invalid
 from cluster.protocol.fields import (
+    ExactlyOne,
+    NoToolChoice,
     NullAsZero,
     OutputTokenLimit,
     StrictBool,
     StrictFloat,
     StrictInt,
     StrictStr,
+    TextFormatOnly,
     TokenIdList,
     Unsupported,
     check_non_negative_ids,
@@ -62,6 +65,8 @@ class _RequestBase(BaseModel):
     return_token_ids: StrictBool | None = False
     priority: Annotated[StrictInt, NullAsZero] = 0
     user: StrictStr | None = None
+    # OpenAI options whose silent omission would change the answer: 400, naming them.
+    logit_bias: Annotated[dict[str, Any] | None, Unsupported] = None
 
     @field_validator("temperature")
     @classmethod
@@ -146,6 +151,8 @@ class CompletionRequest(_RequestBase):
     prompt: str | list[StrictInt]
     echo: Annotated[StrictBool | None, Unsupported] = False
     logprobs: Annotated[StrictInt | None, Unsupported] = None
+    suffix: Annotated[StrictStr | None, Unsupported] = None
+    best_of: Annotated[StrictInt | None, ExactlyOne] = None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -186,6 +193,11 @@ class ChatCompletionRequest(_RequestBase):
     max_completion_tokens: OutputTokenLimit = None
     logprobs: Annotated[StrictBool | None, Unsupported] = False
     top_logprobs: Annotated[StrictInt | None, Unsupported] = None
+    tools: Annotated[list[Any] | None, Unsupported] = None
+    functions: Annotated[list[Any] | None, Unsupported] = None
+    tool_choice: Annotated[Any, NoToolChoice] = None
+    function_call: Annotated[Any, NoToolChoice] = None
+    response_format: Annotated[dict[str, Any] | None, TextFormatOnly] = None
 
     @field_validator("messages", mode="before")
     @classmethod

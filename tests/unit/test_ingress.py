@@ -12,13 +12,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from cluster.config import TokenflowConfig
 from cluster.frontend import CHAT, COMPLETIONS
-from cluster.ingress import OpenAIServer, sse_events
+from cluster.ingress import OpenAIServer, add_routes, sse_events
 from controller.core import QueueFullError
 from controller.messages import Ack, Delta, FinishReason, SamplingParams
 from workers.presets import resolve_model
@@ -70,21 +69,7 @@ class FakeClient:
 def make_client(fake: FakeClient, **config: Any) -> TestClient:
     server = OpenAIServer(TokenflowConfig(protections={"max_prefill_tokens": 64}, **config),
                           fake)
-    app = FastAPI()
-
-    async def completions(request: Request) -> Response:
-        return await server.handle(COMPLETIONS, request)
-
-    async def chat(request: Request) -> Response:
-        return await server.handle(CHAT, request)
-
-    async def health() -> Response:
-        return await server.health()
-
-    app.post(COMPLETIONS)(completions)
-    app.post(CHAT)(chat)
-    app.get("/health")(health)
-    return TestClient(app)
+    return TestClient(add_routes(FastAPI(), server))
 
 
 BODY = {"model": "builtin:tiny", "prompt": "hi", "max_tokens": 5}
