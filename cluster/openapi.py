@@ -138,7 +138,10 @@ def openapi_spec(title: str = "tokenflow", version: str = "0.1.0") -> dict[str, 
     def generate(request: type[BaseModel], response: type[BaseModel],
                  summary: str) -> dict[str, Any]:
         ok = json_body(ref(response), "The answer; with `stream`, server-sent events.")
-        ok["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+        # Each event: `data:` a JSON chunk (the last one `[DONE]`), or an error body.
+        ok["content"]["text/event-stream"] = {"schema": {
+            "type": "object", "required": ["data"],
+            "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}}
         responses = {"200": ok}
         for status, text in _ERRORS.items():
             retry = _RETRY_AFTER if status in ("429", "503") else None
