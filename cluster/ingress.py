@@ -89,7 +89,9 @@ def num_text_threads(config: TokenflowConfig) -> int:
     GIL), at least two so that one long tokenization leaves a thread for the others."""
     if config.edge.num_text_threads is not None:
         return config.edge.num_text_threads
-    return max(2, len(os.sched_getaffinity(0)))
+    cpus = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+            else os.cpu_count() or 1)
+    return max(2, cpus)
 
 
 class OpenAIServer:
