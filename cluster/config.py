@@ -22,7 +22,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from cluster.metrics import MetricsConfig
@@ -36,11 +36,16 @@ from controller.scheduler import SchedulerConfig
 from controller.worker_loop import RecoveryConfig
 
 ENV_PREFIX = "TOKENFLOW_"
+# Comma-separated `KEY[:TENANT[:MIN_PRIORITY:MAX_PRIORITY]]` entries (a Kubernetes secret
+# as an env var, `--api-key` of `make serve`); apart from `edge.api_keys` so that keys stay
+# out of YAML files and of the Serve application's arguments.
+API_KEYS_ENV = "TOKENFLOW_API_KEYS"
 ENV_NESTED_DELIMITER = "__"
 # `TOKENFLOW_*` variables that are not configuration fields (read where they are used).
 OTHER_ENV_VARS = frozenset({
     "TOKENFLOW_CACHE_DIR",  # built-in presets' weights (workers/presets.py)
     "TOKENFLOW_BENCH_THREADS", "TOKENFLOW_BENCH_ITL_SLO_MS",  # benchmarks
+    API_KEYS_ENV,  # API keys, read by the HTTP edge (`api_keys_from_env`)
 })
 
 
@@ -110,6 +115,93 @@ class CalibrationConfig(BaseModel):
         "(symmetric: max(new/old, old/new) - 1) from the table."))
 
 
+class ApiKey(BaseModel):
+    """One API key and what it may do: the tenant its requests are charged to, and the
+    `priority` values it may ask for (lower runs first)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    key: SecretStr = Field(description=(
+        "The bearer token (`Authorization: Bearer KEY`); never logged, shown as ******."))
+    tenant: str = Field("default", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$",
+                        description="Tenant of every request made with this key.")
+    min_priority: int | None = Field(None, description=(
+        "Lowest (most urgent) priority this key may ask for; None: edge.min_priority."))
+    max_priority: int | None = Field(None, description=(
+        "Highest priority this key may ask for; None: edge.max_priority."))
+
+    @model_validator(mode="after")
+    def _check(self) -> ApiKey:
+        key = self.key.get_secret_value()
+        if not key or any(c.isspace() or c in ",:" for c in key):
+            raise ValueError("an API key must be non-empty, without spaces, ',' or ':'")
+        if (self.min_priority is not None and self.max_priority is not None
+                and self.min_priority > self.max_priority):
+            raise ValueError("min_priority must be <= max_priority")
+        return self
+
+
+def api_keys_from_env(environ: dict[str, str] | None = None) -> tuple[ApiKey, ...]:
+    """The keys of `TOKENFLOW_API_KEYS`: `KEY`, `KEY:TENANT` or `KEY:TENANT:MIN:MAX`,
+    comma-separated. ValueError (never echoing a key) on a malformed entry."""
+    environ = dict(os.environ) if environ is None else environ
+    keys: list[ApiKey] = []
+    for i, entry in enumerate(e.strip() for e in environ.get(API_KEYS_ENV, "").split(",")):
+        if not entry:
+            continue
+        parts = entry.split(":")
+        if len(parts) not in (1, 2, 4):
+            raise ValueError(f"{API_KEYS_ENV}: entry {i} must be KEY, KEY:TENANT or "
+                             f"KEY:TENANT:MIN_PRIORITY:MAX_PRIORITY")
+        fields: dict[str, Any] = {"key": parts[0]}
+        if len(parts) > 1:
+            fields["tenant"] = parts[1]
+        try:
+            if len(parts) == 4:
+                fields["min_priority"], fields["max_priority"] = int(parts[2]), int(parts[3])
+            keys.append(ApiKey(**fields))
+        except ValidationError as err:  # messages only: the inputs may hold the key
+            reasons = "; ".join(e["msg"] for e in err.errors(include_url=False))
+            raise ValueError(f"{API_KEYS_ENV}: entry {i} is invalid: {reasons}") from None
+        except ValueError:  # int() of a priority
+            raise ValueError(f"{API_KEYS_ENV}: entry {i} has a priority that is not an "
+                             f"integer") from None
+    return tuple(keys)
+
+
+class EdgeConfig(BaseModel):
+    """The HTTP edge's limits and who may call it (`edge:` in the configuration)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_body_bytes: int = Field(4 * 2**20, ge=1024, description=(
+        "Largest request body (bytes); larger ones get 413 from their Content-Length (or "
+        "as soon as a chunked body passes it), before the body is read."))
+    max_json_depth: int = Field(32, ge=4, le=400, description=(
+        "Deepest nesting of objects and arrays in a request body (a chat request needs 5); "
+        "deeper bodies get 400 before they are parsed."))
+    api_keys: tuple[ApiKey, ...] = Field((), description=(
+        "API keys (JSON list of {key, tenant, min_priority, max_priority}); the keys of "
+        "TOKENFLOW_API_KEYS are added. With any key, every route but /health needs one and "
+        "a request's tenant is its key's; without keys, the X-Tenant-Id header names it."))
+    min_priority: int = Field(0, description=(
+        "Lowest `priority` a request may ask for (lower runs first): 0, the default "
+        "priority, so that no client can jump the queue unless its key allows it."))
+    max_priority: int = Field(100, description="Highest `priority` a request may ask for.")
+    num_text_threads: int | None = Field(None, ge=1, description=(
+        "Threads that parse, template, tokenize and detokenize off the event loop; None: "
+        "the CPUs this process may use."))
+    detokenize_in_thread_tokens: int = Field(16, ge=1, description=(
+        "A delta of at least this many tokens is detokenized on the text threads (smaller "
+        "ones cost less than the hand-off)."))
+
+    @model_validator(mode="after")
+    def _check(self) -> EdgeConfig:
+        if self.min_priority > self.max_priority:
+            raise ValueError("edge.min_priority must be <= edge.max_priority")
+        return self
+
+
 def _section_fields(annotation: Any) -> dict[str, Any] | None:
     """Field name -> type of a nested section, None for a plain value."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
@@ -174,6 +266,8 @@ class TokenflowConfig(BaseSettings):
         "The /metrics exporter: tenant label cap, SLO reference lines."))
     journal: JournalConfig = Field(default_factory=JournalConfig, description=(
         "The request journal in Redis (on when cluster.redis_url is set)."))
+    edge: EdgeConfig = Field(default_factory=EdgeConfig, description=(
+        "The HTTP edge: body and nesting limits, API keys, priority bounds, text threads."))
 
     def __init__(self, **data: Any) -> None:
         check_env()

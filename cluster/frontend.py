@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import Executor
 from dataclasses import dataclass
+
+from jinja2 import TemplateError
 
 from cluster import protocol as p
 from cluster.config import TokenflowConfig
@@ -78,27 +81,39 @@ class TextStream:
 
 
 class Frontend:
-    def __init__(self, tokenizer: Tokenizer, config: TokenflowConfig, vocab_size: int):
+    """`executor`: where the HTTP edge runs `prepare` and long detokenizations, off its
+    event loop (None: the caller's thread, as the batch CLI does)."""
+
+    def __init__(self, tokenizer: Tokenizer, config: TokenflowConfig, vocab_size: int,
+                 executor: Executor | None = None):
         self.tokenizer = tokenizer
         self.config = config
         self.vocab_size = vocab_size
+        self.executor = executor
 
     def prepare(self, url: str, body: dict | bytes | str) -> Prepared:
-        """Validate and tokenize one request; raises ProtocolError (400/404/422)."""
+        """Validate and tokenize one request; raises ProtocolError (400/404/422). CPU-bound
+        (parsing, templating, tokenizing): an event loop calls it on `executor`."""
         if url not in (COMPLETIONS, CHAT):
             raise p.ProtocolError(404, f"unknown endpoint {url}", "NotFoundError")
         cls = p.request_class_for_url(url)
         request = (p.validate_request(body, cls) if isinstance(body, dict)
-                   else p.parse_request(body, cls))
+                   else p.parse_request(body, cls, self.config.edge.max_json_depth))
         p.check_model(request.model, self.served_names)
         if isinstance(request, p.ChatCompletionRequest):
-            text = self.tokenizer.apply_chat_template(request.conversation(),
-                                                      add_generation_prompt=True)
-            prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
+            try:
+                text = self.tokenizer.apply_chat_template(request.conversation(),
+                                                          add_generation_prompt=True)
+            except (TemplateError, ValueError) as err:  # the template refuses these turns
+                raise p.ProtocolError(400, f"'messages' cannot be rendered by this model's "
+                                      f"chat template: {str(err)[:200]}",
+                                      param="messages") from None
+            prompt_ids = self._encode(text, request.prompt_param, add_special_tokens=False)
         elif request.prompt_token_ids is not None:
             prompt_ids = list(request.prompt_token_ids)
         else:
-            prompt_ids = self.tokenizer.encode(request.prompt_text or "")
+            prompt_ids = self._encode(request.prompt_text or "", request.prompt_param,
+                                      add_special_tokens=False)
         cap = self.config.protections.prefill_cap_tokens
         if len(prompt_ids) > cap:
             # The budget circuit breaker: refused before any actor call.
@@ -109,6 +124,21 @@ class Frontend:
         room = p.check_limits(request, prompt_ids, worker.max_model_len, self.vocab_size)
         params = p.to_sampling_params(request, min(room, worker.default_max_tokens))
         return Prepared(url, request, prompt_ids, params, request.priority or 0)
+
+    def _encode(self, text: str, param: str, add_special_tokens: bool) -> list[int]:
+        # A text whose length alone proves it over the cap is refused untokenized: the
+        # tokenizer's time grows with the text, the answer would be the same 422.
+        cap = self.config.protections.prefill_cap_tokens
+        min_len = len(text) // self.tokenizer.max_chars_per_token
+        if min_len > cap:
+            raise p.ProtocolError(422, f"the prompt has at least {min_len} tokens, over the "
+                                  f"prefill cap of {cap} tokens", param=param,
+                                  code="prompt_too_long")
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        except (TypeError, ValueError):  # text the tokenizer cannot take (invalid Unicode)
+            raise p.ProtocolError(400, f"'{param}' cannot be tokenized: it must be valid "
+                                  f"Unicode text", param=param, code="invalid_text") from None
 
     @property
     def served_names(self) -> list[str]:

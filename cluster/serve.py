@@ -8,11 +8,19 @@ instead of on the first request. It then watches the service: restarts of worker
 the controller are pauses, but when the service has not been healthy for
 `cluster.give_up_after_s` (or the controller is gone for good) it exits non-zero, so that a
 supervisor (systemd, Kubernetes) restarts it. SIGTERM and Ctrl-C shut Serve and Ray down.
+
+Loopback by default: HTTP on 127.0.0.1 (`--host` to change it; 0.0.0.0 without API keys
+warns), and Ray's node address, agents and metrics export on 127.0.0.1. Ray's own gRPC
+servers (GCS, raylet, every worker process's core worker) bind all interfaces whatever the
+node address (hard-coded in Ray); its token authentication guards them, and a firewall should
+close them on a shared host. API keys: `--api-key KEY[:TENANT[:MIN:MAX]]` (repeatable) or
+TOKENFLOW_API_KEYS; they reach the ingress through the environment, never its arguments.
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import math
 import os
 import signal
@@ -22,7 +30,7 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
-from cluster.config import TokenflowConfig, nest
+from cluster.config import API_KEYS_ENV, TokenflowConfig, api_keys_from_env, nest
 
 # How often `make serve` asks the service whether it is healthy.
 _WATCH_INTERVAL_S = 2.0
@@ -33,7 +41,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="checkpoint folder or builtin preset (builtin:tiny)")
     ap.add_argument("--port", type=int, help="HTTP port (default 8000)")
-    ap.add_argument("--host", help="HTTP bind address (default 127.0.0.1)")
+    ap.add_argument("--host", help="HTTP bind address (default 127.0.0.1: this machine only)")
+    ap.add_argument("--api-key", action="append", default=[], metavar="KEY[:TENANT[:MIN:MAX]]",
+                    help="require this API key (repeatable; added to TOKENFLOW_API_KEYS); "
+                         "TENANT and the priority range MIN..MAX are the key's")
     ap.add_argument("--num-workers", type=int, help="CPU worker actors (no GPU present)")
     ap.add_argument("--served-model-name", help="name clients pass as `model`")
     ap.add_argument("--no-calibrate", action="store_true", help=(
@@ -47,6 +58,26 @@ def config_from_args(args: argparse.Namespace) -> TokenflowConfig:
         "worker.served_model_name": args.served_model_name,
         "calibration.auto": False if args.no_calibrate else None,
         "cluster.port": args.port, "cluster.host": args.host}))
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
+
+
+def export_api_keys(keys: list[str]) -> int:
+    """Add `--api-key` values to TOKENFLOW_API_KEYS (Ray's processes inherit this
+    environment, so the ingress replicas read them there); the number of keys in all.
+    ValueError on a malformed key."""
+    joined = ",".join(filter(None, [os.environ.get(API_KEYS_ENV, ""), *keys]))
+    num_keys = len(api_keys_from_env({API_KEYS_ENV: joined}))
+    if joined:
+        os.environ[API_KEYS_ENV] = joined
+    return num_keys
 
 
 def ray_num_cpus(config: TokenflowConfig) -> int:
@@ -100,13 +131,26 @@ def _ping(controller: Any, timeout_s: float) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Read when Ray is first imported: with it off, Ray keeps "127.0.0.1" as the node address
+    # instead of swapping in the machine's, so its agents and metrics export bind loopback.
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
     from ray import serve
 
     from cluster.ingress import build_app
     from controller.actor import get_or_create_controller
 
-    config = config_from_args(parse_args(argv))
+    args = parse_args(argv)
+    config = config_from_args(args)
+    try:
+        num_keys = export_api_keys(args.api_key) + len(config.edge.api_keys)
+    except ValueError as err:
+        print(f"tokenflow: {err}", file=sys.stderr)
+        return 2
+    if not is_loopback(config.cluster.host) and num_keys == 0:
+        print(f"WARNING: serving on {config.cluster.host} without API keys: anyone who can "
+              f"reach this port can use the model; set --api-key or {API_KEYS_ENV}",
+              file=sys.stderr, flush=True)
     # address="local": never join (or be confused by) another cluster; the default Redis
     # port 6379 may be taken on this machine, ray.init picks free ports itself.
     ray.init(address="local", num_cpus=ray_num_cpus(config), _node_ip_address="127.0.0.1",

@@ -7,6 +7,7 @@ same whitespace options Hugging Face uses (`trim_blocks`, `lstrip_blocks`).
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,18 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @functools.cached_property
+    def max_chars_per_token(self) -> int:
+        """An upper bound on the characters of text one token stands for, so that
+        `len(text) // max_chars_per_token` is a lower bound on its token count (a prompt can
+        be refused as too long without tokenizing it). +1: a SentencePiece token decodes
+        alone without the leading space it has in context; x4 with a normalizer, which may
+        compose several characters into one (NFC, NFKC)."""
+        ids = self._tok.get_vocab(with_added_tokens=True).values()
+        longest = max((len(self._tok.decode([i], skip_special_tokens=False)) for i in ids),
+                      default=1)
+        return (longest + 1) * (1 if self._tok.normalizer is None else 4)
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)

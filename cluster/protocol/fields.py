@@ -41,6 +41,24 @@ def check_non_negative_ids(token_ids: list[int]) -> list[int]:
     return token_ids
 
 
+def _exactly_one(value: int | None) -> int | None:
+    if value not in (None, 1):
+        raise _invalid(f"must be 1: only one candidate per request is supported, got {value}")
+    return value
+
+
+def _text_format_only(value: Any) -> Any:
+    if value is not None and value != {"type": "text"}:
+        raise _invalid("is not supported: only {'type': 'text'} (plain text output)")
+    return value
+
+
+def _no_tool_choice(value: Any) -> Any:
+    if value not in (None, "none", "auto"):
+        raise _invalid("is not supported: tools are not supported")
+    return value
+
+
 def _null_to_empty_list(value: Any) -> Any:
     return [] if value is None else value
 
@@ -53,6 +71,11 @@ def _null_to_zero(value: Any) -> Any:
 OutputTokenLimit = Annotated[StrictInt | None, AfterValidator(_at_least_one)]
 # An OpenAI option that is accepted only at its "off" value (false, 0 or null).
 Unsupported = AfterValidator(_reject_if_set)
+# Options that would change what a response means when ignored: refused unless they are
+# at their plain-text, single-answer value.
+ExactlyOne = AfterValidator(_exactly_one)
+TextFormatOnly = AfterValidator(_text_format_only)
+NoToolChoice = AfterValidator(_no_tool_choice)
 # Clients send an explicit null for "unset"; these read it as the field's default.
 NullAsEmptyList = BeforeValidator(_null_to_empty_list)
 NullAsZero = BeforeValidator(_null_to_zero)

@@ -2,25 +2,27 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cluster.protocol.errors import _invalid, _short_repr
 from cluster.protocol.fields import StrictStr
+
+_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
 class ChatMessage(BaseModel):
     """One chat turn. `content` is normalized to a plain string: text parts are joined with
     newlines (as vLLM does), so chat templates always see a string."""
 
-    model_config = ConfigDict(extra="ignore")
+    # For /openapi.json: `content` is documented as required (only an assistant turn may
+    # leave it out) and `role` as one of ROLES.
+    model_config = ConfigDict(extra="ignore", json_schema_extra={"required": ["role", "content"]})
 
-    ROLES: ClassVar[frozenset[str]] = frozenset(
-        {"system", "developer", "user", "assistant", "tool"}
-    )
+    ROLES: ClassVar[frozenset[str]] = _ROLES
 
-    role: StrictStr
+    role: Annotated[StrictStr, Field(json_schema_extra={"enum": sorted(_ROLES)})]
     content: str = ""
     name: StrictStr | None = None
 

@@ -13,12 +13,15 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from cluster.protocol.errors import _invalid
 from cluster.protocol.fields import (
+    ExactlyOne,
+    NoToolChoice,
     NullAsZero,
     OutputTokenLimit,
     StrictBool,
     StrictFloat,
     StrictInt,
     StrictStr,
+    TextFormatOnly,
     TokenIdList,
     Unsupported,
     check_non_negative_ids,
@@ -28,6 +31,14 @@ from cluster.protocol.messages import ChatMessage
 # OpenAI caps `stop` at 4 sequences; matching cost grows with their number on every delta.
 MAX_STOP_SEQUENCES = 4
 TEMPERATURE_MAX = 2.0
+
+
+def _schema(**keywords: Any) -> Any:
+    """JSON Schema keywords for /openapi.json only: the validators above stay the ones that
+    check (and word the errors); keywords on a nullable field apply to its non-null form."""
+    return Field(json_schema_extra=keywords)
+
+
 # Seeds travel to torch generators, which take 64-bit values.
 _SEED_MIN = -(2**63)
 _SEED_MAX = 2**64 - 1
@@ -48,20 +59,24 @@ class _RequestBase(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: StrictStr | None = None
-    max_tokens: OutputTokenLimit = None
-    temperature: StrictFloat | None = None
-    top_p: StrictFloat | None = None
-    top_k: StrictInt | None = None
-    seed: StrictInt | None = None
-    stop: list[str] = Field(default_factory=list)
+    max_tokens: Annotated[OutputTokenLimit, _schema(minimum=1)] = None
+    temperature: Annotated[StrictFloat | None, _schema(minimum=0, maximum=TEMPERATURE_MAX)] = None
+    top_p: Annotated[StrictFloat | None, _schema(exclusiveMinimum=0, maximum=1)] = None
+    top_k: Annotated[StrictInt | None, _schema(minimum=-1)] = None
+    seed: Annotated[StrictInt | None, _schema(minimum=_SEED_MIN, maximum=_SEED_MAX)] = None
+    stop: Annotated[list[str], _schema(maxItems=MAX_STOP_SEQUENCES,
+                                       items={"type": "string", "minLength": 1})] = Field(
+        default_factory=list)
     stop_token_ids: TokenIdList = Field(default_factory=list)
     ignore_eos: StrictBool | None = False
-    n: StrictInt | None = 1
+    n: Annotated[StrictInt | None, _schema(const=1)] = 1
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     return_token_ids: StrictBool | None = False
     priority: Annotated[StrictInt, NullAsZero] = 0
     user: StrictStr | None = None
+    # OpenAI options whose silent omission would change the answer: 400, naming them.
+    logit_bias: Annotated[dict[str, Any] | None, Unsupported] = None
 
     @field_validator("temperature")
     @classmethod
@@ -143,9 +158,11 @@ class CompletionRequest(_RequestBase):
     """/v1/completions. After validation `prompt` is either a non-empty string or a non-empty
     list of token ids: one-element batches (`["text"]`, `[[1, 2]]`) are unwrapped."""
 
-    prompt: str | list[StrictInt]
+    prompt: Annotated[str | list[StrictInt], _schema(minLength=1, minItems=1)]
     echo: Annotated[StrictBool | None, Unsupported] = False
     logprobs: Annotated[StrictInt | None, Unsupported] = None
+    suffix: Annotated[StrictStr | None, Unsupported] = None
+    best_of: Annotated[StrictInt | None, ExactlyOne] = None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -182,10 +199,15 @@ class ChatCompletionRequest(_RequestBase):
     """/v1/chat/completions. `max_completion_tokens` (OpenAI's newer name) wins over
     `max_tokens` when both are given."""
 
-    messages: list[ChatMessage]
-    max_completion_tokens: OutputTokenLimit = None
+    messages: Annotated[list[ChatMessage], _schema(minItems=1)]
+    max_completion_tokens: Annotated[OutputTokenLimit, _schema(minimum=1)] = None
     logprobs: Annotated[StrictBool | None, Unsupported] = False
     top_logprobs: Annotated[StrictInt | None, Unsupported] = None
+    tools: Annotated[list[Any] | None, Unsupported] = None
+    functions: Annotated[list[Any] | None, Unsupported] = None
+    tool_choice: Annotated[Any, NoToolChoice] = None
+    function_call: Annotated[Any, NoToolChoice] = None
+    response_format: Annotated[dict[str, Any] | None, TextFormatOnly] = None
 
     @field_validator("messages", mode="before")
     @classmethod

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterable, Sequence
 from typing import Any, TypeVar
 
+import numpy as np
 from pydantic import ValidationError
 
 from cluster.protocol.errors import ProtocolError, _from_validation_error
@@ -23,26 +25,87 @@ from controller.messages import SamplingParams
 RequestT = TypeVar("RequestT", bound=_RequestBase)
 
 
+# A JSON string (escapes included): removed before brackets are counted.
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def json_depth(raw: bytes) -> int:
+    """How deep objects and arrays nest in `raw`, read without parsing it (C-speed regex
+    and numpy, so a hostile body costs little and never recurses)."""
+    brackets = _JSON_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
+    if not brackets:
+        return 0
+    opens = np.frombuffer(brackets, dtype=np.uint8)
+    steps = np.where((opens == ord("[")) | (opens == ord("{")), 1, -1)
+    return int(np.cumsum(steps).max())
+
+
+def find_invalid_text(data: Any) -> tuple[str, str] | None:
+    """(param, character) of the first string (or key) holding a lone surrogate, which JSON's
+    \\uXXXX escapes can carry but UTF-8 cannot; iterative, so depth costs no recursion."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        param, value = stack.pop()
+        if isinstance(value, str):
+            bad = _lone_surrogate(value)
+            if bad is not None:
+                return param or "body", bad
+        elif isinstance(value, dict):
+            for key, item in reversed(value.items()):
+                name = f"{param}.{key}" if param else str(key)
+                bad = _lone_surrogate(key)
+                if bad is not None:
+                    return name, bad
+                stack.append((name, item))
+        elif isinstance(value, list):
+            stack.extend((f"{param}[{i}]", item) for i, item in reversed(list(
+                enumerate(value))))
+    return None
+
+
+def _lone_surrogate(text: str) -> str | None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        return f"\\u{ord(text[err.start]):04x}"
+    return None
+
+
 def validate_request(data: Any, cls: type[RequestT]) -> RequestT:
     """Validate an already-decoded body (e.g. a batch line's `body`)."""
     if not isinstance(data, dict):
         raise ProtocolError(400, "request body must be a JSON object")
+    invalid = find_invalid_text(data)
+    if invalid is not None:
+        param, char = invalid
+        raise ProtocolError(400, f"'{param}' contains a lone surrogate ({char}): text must "
+                            f"be valid Unicode", param=param, code="invalid_text")
     try:
         return cls.model_validate(data)
     except ValidationError as exc:
         raise _from_validation_error(exc) from None
 
 
-def parse_request(raw: bytes | str, cls: type[RequestT]) -> RequestT:
-    """Decode and validate an HTTP body; every failure is a ProtocolError(400)."""
+def parse_request(raw: bytes | str, cls: type[RequestT], max_depth: int = 32) -> RequestT:
+    """Decode and validate an HTTP body; every failure is a ProtocolError(400). Nesting
+    deeper than `max_depth` is refused before parsing (deep JSON recurses in the parser)."""
+    depth = json_depth(raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw)
+    if depth > max_depth:
+        raise ProtocolError(400, f"request body nests {depth} levels deep, over the limit of "
+                            f"{max_depth}", code="too_deep")
     try:
         data = json.loads(raw)
+    except RecursionError:  # unreachable past the depth check; kept as the last guard
+        raise ProtocolError(400, "request body nests too deep", code="too_deep") from None
     except UnicodeDecodeError:
         raise ProtocolError(400, "request body is not valid UTF-8") from None
     except json.JSONDecodeError as exc:
         raise ProtocolError(
             400, f"request body is not valid JSON: {exc.msg} (line {exc.lineno}, col {exc.colno})"
         ) from None
+    except ValueError as exc:  # a number past Python's int-conversion digit limit
+        raise ProtocolError(400, f"request body is not valid JSON: {exc}") from None
     return validate_request(data, cls)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import Any
 
 import httpx
@@ -33,6 +35,19 @@ CASES: list[tuple[str, str, bytes | dict[str, Any], int, str | None]] = [
      422, "messages"),
     ("chat without messages", CHAT, {"model": MODEL, "messages": []}, 400, "messages"),
     ("unknown route", "/v1/embeddings", OK_BODY, 404, None),
+    ("lone surrogate in the prompt", COMPLETIONS,
+     b'{"model": "builtin:tiny", "prompt": "a\\ud800"}', 400, "prompt"),
+    ("lone surrogate in chat content", CHAT,
+     b'{"messages": [{"role": "user", "content": "\\udc00"}]}', 400, "messages[0].content"),
+    ("10,000-deep JSON", COMPLETIONS, b"[" * 10_000 + b"]" * 10_000, 400, None),
+    ("tools", CHAT, {"messages": [{"role": "user", "content": "hi"}],
+                     "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("response_format", CHAT, {"messages": [{"role": "user", "content": "hi"}],
+                               "response_format": {"type": "json_object"}}, 400,
+     "response_format"),
+    ("priority 1e30", COMPLETIONS, {**OK_BODY, "priority": 10**30}, 400, "priority"),
+    ("queue-jumping priority", COMPLETIONS, {**OK_BODY, "priority": -1}, 400, "priority"),
+    ("5 MB body", COMPLETIONS, b'{"prompt": "' + b"x" * 5 * 2**20 + b'"}', 413, None),
 ]
 
 
@@ -69,6 +84,32 @@ def test_refused_prompts_never_reach_the_controller(cluster: Cluster,
                      ).status_code == 422
     assert http.post(COMPLETIONS, json={**OK_BODY, "max_tokens": 0}).status_code == 400
     assert sum(w["num_routed"] for w in cluster.stats()["workers"]) == before
+
+
+def test_a_20mb_body_is_413_at_once_and_stalls_no_one(http: httpx.Client,
+                                                      cluster: Cluster) -> None:
+    """The 413 is decided from Content-Length, and no text work runs on the event loop:
+    a small request sent beside it completes in under 1 s."""
+    big = b'{"model": "builtin:tiny", "prompt": "' + b"y" * 20 * 2**20 + b'"}'
+
+    async def main() -> tuple[httpx.Response, float, httpx.Response, float]:
+        async with httpx.AsyncClient(base_url=cluster.url, timeout=60) as client:
+            async def timed(**kwargs: Any) -> tuple[httpx.Response, float]:
+                start = time.perf_counter()
+                resp = await client.post(COMPLETIONS, **kwargs)
+                return resp, time.perf_counter() - start
+
+            (big_resp, big_s), (small_resp, small_s) = await asyncio.gather(
+                timed(content=big, headers={"content-type": "application/json"}),
+                timed(json=OK_BODY))
+            return big_resp, big_s, small_resp, small_s
+
+    big_resp, big_s, small_resp, small_s = asyncio.run(main())
+    assert big_resp.status_code == 413 and big_resp.json()["error"]["code"] == "body_too_large"
+    assert small_resp.status_code == 200, small_resp.text
+    print(f"20 MB body: 413 in {big_s:.2f}s; small request beside it: {small_s:.3f}s")
+    assert small_s < 1.0
+    assert big_s < 10.0  # the upload over loopback, not tokenizing (34.7 s before)
 
 
 def test_after_bad_input_nothing_leaks(cluster: Cluster, http: httpx.Client) -> None:

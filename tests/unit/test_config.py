@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any
 
@@ -108,7 +109,7 @@ def test_every_setting_is_documented() -> None:
     sections = schema["$defs"]
     assert set(schema["properties"]) == {"worker", "cache", "scheduler", "flow", "protections",
                                          "degraded", "calibration", "cluster", "recovery",
-                                         "metrics", "journal"}
+                                         "metrics", "journal", "edge"}
     for name, section in sections.items():
         for field, spec in section["properties"].items():
             assert spec.get("description"), f"{name}.{field} has no description"
@@ -128,3 +129,36 @@ def test_cli_options_nest() -> None:
 def test_map_fields_take_keys_in_the_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TOKENFLOW_SCHEDULER__TENANT_WEIGHTS__GOLD", "3")
     assert TokenflowConfig().scheduler.tenant_weights == {"gold": 3.0}
+
+
+def test_api_keys_parse_from_the_env_without_echoing_them() -> None:
+    from cluster.config import API_KEYS_ENV, api_keys_from_env
+
+    keys = api_keys_from_env({API_KEYS_ENV: "sk-a, sk-b:team-b, sk-c:ops:-5:10,"})
+    assert [(k.key.get_secret_value(), k.tenant, k.min_priority, k.max_priority)
+            for k in keys] == [("sk-a", "default", None, None), ("sk-b", "team-b", None, None),
+                               ("sk-c", "ops", -5, 10)]
+    assert "sk-a" not in repr(keys)
+    for bad in ["sk-secret:a:b", "sk-secret:bad tenant", "sk-secret:t:1:x", "sk-secret:t:5:1"]:
+        with pytest.raises(ValueError) as err:
+            api_keys_from_env({API_KEYS_ENV: bad})
+        assert "sk-secret" not in str(err.value) and "entry 0" in str(err.value)
+    TokenflowConfig()  # TOKENFLOW_API_KEYS is no configuration field, yet no unknown variable
+
+
+def test_edge_priority_range_is_checked() -> None:
+    with pytest.raises(ValueError, match="min_priority"):
+        TokenflowConfig(edge={"min_priority": 5, "max_priority": 1})
+
+
+def test_serve_exports_api_keys_and_knows_loopback(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cluster.config import API_KEYS_ENV
+    from cluster.serve import export_api_keys, is_loopback
+
+    monkeypatch.setenv(API_KEYS_ENV, "sk-env")
+    assert export_api_keys(["sk-cli:team"]) == 2
+    assert os.environ[API_KEYS_ENV] == "sk-env,sk-cli:team"
+    with pytest.raises(ValueError):
+        export_api_keys(["bad key"])
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("example.com")

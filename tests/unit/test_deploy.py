@@ -23,7 +23,7 @@ def load_all(name: str) -> list[Any]:
 
 
 def _env(container: dict[str, Any]) -> dict[str, str]:
-    return {var["name"]: var["value"] for var in container.get("env", [])}
+    return {var["name"]: var["value"] for var in container.get("env", []) if "value" in var}
 
 
 def test_serve_config_is_valid() -> None:

@@ -8,17 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import httpx
 import pytest
-from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from cluster.config import TokenflowConfig
 from cluster.frontend import CHAT, COMPLETIONS
-from cluster.ingress import OpenAIServer, sse_events
+from cluster.ingress import OpenAIServer, add_routes, sse_events
 from controller.core import QueueFullError
 from controller.messages import Ack, Delta, FinishReason, SamplingParams
 from workers.presets import resolve_model
@@ -35,6 +36,7 @@ class FakeClient:
         self.aborted: list[str] = []
         self.started: list[str] = []
         self.rejections: list[str] = []
+        self.tenants: list[str] = []
 
     async def model_info(self) -> dict[str, Any]:
         return {"vocab_size": 512, "max_model_len": 1024,
@@ -49,6 +51,7 @@ class FakeClient:
         if self.refuse is not None:
             raise self.refuse
         self.started.append(request_id)
+        self.tenants.append(tenant)
         return Ack(request_id, 0, len(prompt_token_ids)), self._deltas(
             request_id, len(prompt_token_ids), params)
 
@@ -74,21 +77,7 @@ class FakeClient:
 def make_client(fake: FakeClient, **config: Any) -> TestClient:
     server = OpenAIServer(TokenflowConfig(protections={"max_prefill_tokens": 64}, **config),
                           fake)
-    app = FastAPI()
-
-    async def completions(request: Request) -> Response:
-        return await server.handle(COMPLETIONS, request)
-
-    async def chat(request: Request) -> Response:
-        return await server.handle(CHAT, request)
-
-    async def health() -> Response:
-        return await server.health()
-
-    app.post(COMPLETIONS)(completions)
-    app.post(CHAT)(chat)
-    app.get("/health")(health)
-    return TestClient(app)
+    return TestClient(add_routes(FastAPI(), server))
 
 
 BODY = {"model": "builtin:tiny", "prompt": "hi", "max_tokens": 5}
@@ -228,3 +217,193 @@ def test_health_is_200_only_with_a_worker_up() -> None:
 
     health = make_client(Up([])).get("/health")
     assert health.status_code == 200 and health.json()["workers"][0]["up"]
+
+
+# --- The front door: limits, keys, tenants, priorities, errors ---------------------------
+
+KEYS = [{"key": "sk-team-a", "tenant": "team-a"},
+        {"key": "sk-urgent", "tenant": "ops", "min_priority": -5, "max_priority": 10}]
+
+
+def test_body_over_the_limit_is_413_from_its_content_length() -> None:
+    fake = FakeClient(ids("x"))
+    client = make_client(fake, edge={"max_body_bytes": 4096})
+    resp = client.post(COMPLETIONS, json={**BODY, "prompt": "y" * 5000})
+    assert resp.status_code == 413 and resp.json()["error"]["code"] == "body_too_large"
+    assert fake.started == []
+
+
+def test_chunked_body_over_the_limit_is_413_without_a_content_length() -> None:
+    async def main() -> httpx.Response:
+        server = OpenAIServer(TokenflowConfig(edge={"max_body_bytes": 4096}),
+                              FakeClient(ids("x")))
+        chunks_sent = []
+
+        async def body() -> AsyncIterator[bytes]:
+            for _ in range(100):  # 100 KB, never all read
+                chunks_sent.append(1)
+                yield b" " * 1024
+
+        transport = httpx.ASGITransport(add_routes(FastAPI(), server))
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            return await client.post(COMPLETIONS, content=body())
+
+    resp = asyncio.run(main())
+    assert resp.status_code == 413 and "4096" in resp.json()["error"]["message"]
+
+
+def test_a_huge_prompt_never_stalls_the_event_loop() -> None:
+    """A 3 MB prompt under the body limit is parsed and refused on the text pool; a ticker
+    on the event loop keeps its pace meanwhile."""
+    async def main() -> tuple[int, float]:
+        server = OpenAIServer(TokenflowConfig(edge={"max_body_bytes": 8 * 2**20},
+                                              protections={"max_prefill_tokens": 64}),
+                              FakeClient(ids("x")))
+        transport = httpx.ASGITransport(add_routes(FastAPI(), server))
+        big = {**BODY, "prompt": list(range(3, 300)) * 2000}  # 600k ids, ~2.6 MB of JSON
+        gaps: list[float] = []
+
+        async def ticker(done: asyncio.Event) -> None:
+            last = time.perf_counter()
+            while not done.is_set():
+                await asyncio.sleep(0.01)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            await server.frontend()
+            done = asyncio.Event()
+            tick = asyncio.create_task(ticker(done))
+            resp = await client.post(COMPLETIONS, json=big)
+            done.set()
+            await tick
+        return resp.status_code, max(gaps)
+
+    status, max_gap = asyncio.run(main())
+    assert status == 422
+    assert max_gap < 0.5, f"the event loop stalled for {max_gap:.2f}s"
+
+
+def test_a_long_text_prompt_is_refused_before_tokenizing() -> None:
+    # builtin:tiny: one token per byte, so 200,000 characters are at least 100,000 tokens.
+    resp = make_client(FakeClient(ids("x"))).post(COMPLETIONS,
+                                                  json={**BODY, "prompt": "z" * 200_000})
+    assert resp.status_code == 422 and "at least" in resp.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(("url", "body", "param"), [
+    (COMPLETIONS, '{"model": "builtin:tiny", "prompt": "a\\ud800b"}', "prompt"),
+    (CHAT, '{"messages": [{"role": "user", "content": "\\udfff"}]}', "messages[0].content"),
+    (CHAT, '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud83d"}]}]}',
+     "messages[0].content[0].text"),
+    (COMPLETIONS, '{"prompt": "hi", "stop": ["\\udc00"]}', "stop[0]"),
+])
+def test_lone_surrogates_are_400_naming_the_field(url: str, body: str, param: str) -> None:
+    fake = FakeClient(ids("x"))
+    resp = make_client(fake).post(url, content=body,
+                                  headers={"content-type": "application/json"})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == param and "surrogate" in resp.json()["error"][
+        "message"]
+    assert fake.started == []
+
+
+@pytest.mark.parametrize("url", [COMPLETIONS, CHAT])
+def test_deep_json_is_400(url: str) -> None:
+    resp = make_client(FakeClient(ids("x"))).post(url, content="[" * 10_000 + "]" * 10_000)
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "too_deep"
+    resp = make_client(FakeClient(ids("x"))).post(
+        url, content='{"prompt": ' + '{"a": ' * 10_000 + "1" + "}" * 10_001)
+    assert resp.status_code == 400 and "10001 levels" in resp.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("response_format", {"type": "json_object"}), ("logprobs", True), ("n", 2),
+    ("tool_choice", "required"), ("logit_bias", {"1": 5})])
+def test_options_that_change_the_answer_are_400_naming_them(field: str, value: Any) -> None:
+    resp = make_client(FakeClient(ids("x"))).post(CHAT, json={
+        "messages": [{"role": "user", "content": "hi"}], field: value})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == field
+
+
+def test_keys_authenticate_and_name_the_tenant() -> None:
+    fake = FakeClient(ids("ok"))
+    client = make_client(fake, edge={"api_keys": KEYS})
+    missing = client.post(COMPLETIONS, json=BODY)
+    assert missing.status_code == 401 and missing.json()["error"]["code"] == "missing_api_key"
+    bad = client.post(COMPLETIONS, json=BODY, headers={"Authorization": "Bearer sk-nope"})
+    assert bad.status_code == 401 and bad.json()["error"]["code"] == "invalid_api_key"
+    assert bad.headers["www-authenticate"] == "Bearer" and "sk-nope" not in bad.text
+    assert fake.started == []
+    good = client.post(COMPLETIONS, json=BODY, headers={"Authorization": "Bearer sk-team-a",
+                                                        "X-Tenant-Id": "ops"})
+    assert good.status_code == 200 and good.json()["choices"][0]["text"] == "ok"
+    assert fake.tenants == ["team-a"]  # the key's tenant, not the header's
+    assert client.get("/health").status_code == 200  # open without a key
+    assert client.get("/v1/models").status_code == 401
+
+
+def test_without_keys_the_header_names_the_tenant() -> None:
+    fake = FakeClient(ids("ok"))
+    client = make_client(fake)
+    assert client.post(COMPLETIONS, json=BODY, headers={"X-Tenant-Id": "t1"}).status_code == 200
+    assert client.post(COMPLETIONS, json=BODY).status_code == 200
+    assert fake.tenants == ["t1", "default"]
+    bad = client.post(COMPLETIONS, json=BODY, headers={"X-Tenant-Id": "a b/../c"})
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_tenant"
+
+
+def test_priority_is_bounded_by_the_callers_range() -> None:
+    fake = FakeClient(ids("ok"))
+    client = make_client(fake, edge={"api_keys": KEYS})
+    team_a = {"Authorization": "Bearer sk-team-a"}
+    urgent = {"Authorization": "Bearer sk-urgent"}
+    for priority, headers, status in [(10**30, team_a, 400), (-1, team_a, 400),
+                                      (100, team_a, 200), (-5, urgent, 200),
+                                      (-6, urgent, 400), (11, urgent, 400)]:
+        resp = client.post(COMPLETIONS, json={**BODY, "priority": priority}, headers=headers)
+        assert resp.status_code == status, (priority, resp.text)
+        if status == 400:
+            assert resp.json()["error"]["param"] == "priority"
+    assert fake.tenants == ["team-a", "ops"]
+
+
+def test_unavailable_bodies_carry_a_request_id_not_internals() -> None:
+    internal = "ActorDiedError: actor 5f3e pid=4242 ip=10.1.2.3 namespace=tokenflow"
+
+    class DeadClient(FakeClient):
+        async def model_info(self) -> dict[str, Any]:
+            raise ConnectionError(internal)
+
+    client = make_client(DeadClient([]), cluster={"retry_after_s": 2})
+    for resp in (client.post(COMPLETIONS, json=BODY), client.get("/v1/models")):
+        assert resp.status_code == 503 and resp.headers["retry-after"] == "2"
+        message = resp.json()["error"]["message"]
+        assert "10.1.2.3" not in message and "pid" not in message
+        assert resp.headers["x-request-id"] in message
+
+
+def test_worker_failure_503_has_retry_after() -> None:
+    resp = make_client(FakeClient([], error="worker 0 failed")).post(COMPLETIONS, json=BODY)
+    assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
+
+
+def test_wrong_method_is_405_with_allow() -> None:
+    resp = make_client(FakeClient([])).get(COMPLETIONS)
+    assert resp.status_code == 405 and resp.headers["allow"] == "POST"
+    assert "error" in resp.json()
+
+
+def test_openapi_describes_the_bodies_the_serve_app_serves() -> None:
+    from cluster.ingress import app
+
+    spec = make_client(FakeClient([])).get("/openapi.json").json()
+    assert spec == app.openapi()
+    for path, model in [(COMPLETIONS, "CompletionRequest"), (CHAT, "ChatCompletionRequest")]:
+        post = spec["paths"][path]["post"]
+        schema = post["requestBody"]["content"]["application/json"]["schema"]
+        assert schema == {"$ref": f"#/components/schemas/{model}"}
+        assert {"200", "400", "401", "413", "422", "429", "503"} <= set(post["responses"])
+    assert "messages" in spec["components"]["schemas"]["ChatCompletionRequest"]["properties"]
