@@ -24,6 +24,7 @@ from benchmarks import (
     calibration_bench,
     cluster_bench,
     engine_bench,
+    journal_bench,
     metrics_bench,
     policies_bench,
 )
@@ -37,6 +38,7 @@ BENCHMARKS: dict[str, BenchmarkFn] = {
     "cluster": cluster_bench.run,
     "policies": policies_bench.run,
     "metrics": metrics_bench.run,
+    "journal": journal_bench.run,
 }
 
 

@@ -126,6 +126,22 @@ class JournalStats:
 # A buffered write: the writer turns each into pipeline commands.
 _Op = tuple[Any, ...]
 
+# ARGV[1]: the token lists' key prefix, ARGV[2]: a JSON object request id -> new ids. Keys
+# are built in the script (one argument instead of one per request: packing each argument
+# is what costs the writer thread); fine on a standalone Redis, not on Redis Cluster.
+# unpack() in slices: Lua's stack caps how many arguments one call takes (a catch-up can
+# be long).
+_APPEND_TOKENS = """
+local n = 0
+for request_id, ids in pairs(cjson.decode(ARGV[2])) do
+  for i = 1, #ids, 4000 do
+    redis.call('RPUSH', ARGV[1] .. request_id, unpack(ids, i, math.min(i + 3999, #ids)))
+  end
+  n = n + 1
+end
+return n
+"""
+
 
 class Journal:
     def __init__(self, url: str, config: JournalConfig | None = None) -> None:
@@ -137,6 +153,7 @@ class Journal:
         self._cond = threading.Condition()
         self._ops: list[_Op] = []
         self._records: dict[str, JournalRecord] = {}  # the mirror of unfinished requests
+        self._step_tokens: dict[str, list[int]] = {}  # this step's new tokens, by request
         # Set while paused or after an overflow: the next write is a full catch-up, so
         # nothing is buffered meanwhile; finishes are remembered to expire their keys.
         self._needs_catch_up = False
@@ -183,9 +200,12 @@ class Journal:
                 return  # not journaled (admitted before a restart that lost it)
             if out.new_token_ids:
                 record.output_token_ids.extend(out.new_token_ids)
-                self._push(("tokens", out.request_id, list(out.new_token_ids)))
+                # Gathered per step, pushed as one op at end_step: a step of 64 decodes
+                # is one buffered op, not 64.
+                self._step_tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
             if out.finished:
                 del self._records[out.request_id]
+                self._push_step_tokens()  # its tokens before its finish
                 self._push(("finish", out.request_id, str(out.finish_reason), out.error,
                             len(record.chunks)))
 
@@ -202,8 +222,14 @@ class Journal:
     def end_step(self) -> None:
         """The step's writes are buffered: let the writer send them in one round trip."""
         with self._cond:
+            self._push_step_tokens()
             if self._ops:
                 self._cond.notify()
+
+    def _push_step_tokens(self) -> None:
+        if self._step_tokens:
+            self._push(("step_tokens", "", self._step_tokens))
+            self._step_tokens = {}
 
     def _push(self, op: _Op) -> None:
         if self._needs_catch_up:
@@ -243,6 +269,7 @@ class Journal:
                 if is_catch_up:
                     # Atomic with the producers: ops pushed after this go on top of it.
                     ops = self._catch_up_ops()
+                    self._step_tokens = {}  # already in the mirror the catch-up writes
                     self._needs_catch_up = False
                     self._finished_meanwhile = {}
                 else:
@@ -293,21 +320,29 @@ class Journal:
     def _write(self, ops: list[_Op]) -> None:
         ttl = self.config.finished_ttl_s
         pipe = self.redis.pipeline(transaction=False)
-        # Tokens of one request over the steps in this batch go out as one RPUSH (a step of
-        # 64 decodes is 64 commands; a batch often spans several steps).
+        # Every request's new tokens in this batch go out as ONE command (a Lua script that
+        # appends to each list): a command per request costs the writer thread far more
+        # interpreter time (packing, parsing) than the round trip itself, and that time is
+        # taken from the step loop.
         request_to_tokens: dict[str, list[int]] = {}
 
-        def push_tokens(request_id: str) -> None:
-            tokens = request_to_tokens.pop(request_id, None)
-            if tokens:
-                pipe.rpush(self._key("tokens", request_id), *tokens)
+        def push_tokens() -> None:
+            if request_to_tokens:
+                pipe.eval(_APPEND_TOKENS, 0, self._key("tokens", ""),
+                          json.dumps(request_to_tokens))
+                request_to_tokens.clear()
 
         for op in ops:
             kind, request_id = op[0], op[1]
             if kind == "tokens":
                 request_to_tokens.setdefault(request_id, []).extend(op[2])
                 continue
-            push_tokens(request_id)  # keep each request's commands in order
+            if kind == "step_tokens":
+                for rid, ids in op[2].items():
+                    request_to_tokens.setdefault(rid, []).extend(ids)
+                continue
+            if request_id in request_to_tokens:
+                push_tokens()  # keep each request's commands in order
             if kind == "admit":  # also the catch-up of a request: its tokens follow
                 pipe.hset(self._key("request", request_id), "record", op[2])
                 pipe.delete(self._key("tokens", request_id))
@@ -325,8 +360,7 @@ class Journal:
                 for key in (self._key("request", request_id), self._key("tokens", request_id),
                             *(self.chunk_key(request_id, n) for n in range(num_chunks))):
                     pipe.expire(key, ttl)
-        for request_id in list(request_to_tokens):
-            push_tokens(request_id)
+        push_tokens()
         pipe.execute()
         self.num_round_trips += 1
         self.num_ops_written += len(ops)
