@@ -22,6 +22,7 @@ from typing import Any
 
 from benchmarks import (
     calibration_bench,
+    chaos_bench,
     cluster_bench,
     engine_bench,
     journal_bench,
@@ -39,6 +40,7 @@ BENCHMARKS: dict[str, BenchmarkFn] = {
     "policies": policies_bench.run,
     "metrics": metrics_bench.run,
     "journal": journal_bench.run,
+    "chaos": chaos_bench.run,
 }
 
 

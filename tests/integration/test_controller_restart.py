@@ -15,11 +15,11 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 
+from benchmarks.chaos_streams import run_streams
 from cluster.config import TokenflowConfig
 from cluster.controller_client import RayControllerClient
 from controller.messages import SamplingParams
@@ -59,59 +59,24 @@ def controller(cluster, redis_server):
     ray.kill(controller, no_restart=True)
 
 
-async def _stream(client: RayControllerClient, prompt: list[int], request_id: str,
-                  on_token: Callable[[int], None]) -> tuple[list[int], str | None, str | None,
-                                                            float]:
-    """A stream's tokens, finish reason, error and longest wait between two deltas."""
-    _, deltas = await client.submit(prompt, PARAMS, request_id, 0, "default")
-    tokens: list[int] = []
-    finish, error = None, None
-    last, longest_wait = time.monotonic(), 0.0
-    async for delta in deltas:
-        now = time.monotonic()
-        longest_wait, last = max(longest_wait, now - last), now
-        tokens.extend(delta.token_ids)
-        finish = delta.finish_reason or finish
-        error = delta.error or error
-        if len(tokens) >= 2 > len(tokens) - len(delta.token_ids):
-            on_token(len(tokens))  # once per stream: it has 2 tokens now
-    return tokens, finish, error, longest_wait
-
-
-async def _run_all(controller, client: RayControllerClient, tag: str,
-                   kill: bool = False) -> list[tuple]:
-    """All 16 prompts at once; with `kill`, SIGKILL the controller once 4 streams have 2
-    tokens."""
-    started = asyncio.Event()
-    num_started = [0]
-
-    def on_token(num_tokens: int) -> None:
-        num_started[0] += 1
-        if num_started[0] >= 4:
-            started.set()
-
-    tasks = [asyncio.create_task(_stream(client, prompt, f"{tag}-{j}", on_token))
-             for j, prompt in enumerate(PROMPTS)]
-    if kill:
-        await asyncio.wait_for(started.wait(), 120)
-        pid = (await controller.stats.remote())["pid"]
-        os.kill(pid, signal.SIGKILL)
-    return list(await asyncio.wait_for(asyncio.gather(*tasks), 300))
+async def _kill_controller(controller) -> None:
+    pid = (await controller.stats.remote())["pid"]
+    os.kill(pid, signal.SIGKILL)
 
 
 async def run_scenario(controller) -> None:
     client = RayControllerClient(controller)
-    reference = await _run_all(controller, client, "ref")
-    assert all(f == "length" and e is None and len(t) == PARAMS.max_tokens
-               for t, f, e, _ in reference)
+    reference = await run_streams(client, PROMPTS, PARAMS, "ref")
+    assert all(r.finish_reason == "length" and r.error is None
+               and len(r.token_ids) == PARAMS.max_tokens for r in reference)
     pids = {(await controller.stats.remote())["pid"]}
     for kill in range(3):  # the service recovers every time, not only the first
-        disturbed = await _run_all(controller, client, f"kill{kill}", kill=True)
-        for j, ((tokens, finish, error, _), (ref_tokens, *_)) in enumerate(
-                zip(disturbed, reference, strict=True)):
-            assert error is None and finish == "length", (kill, j, error)
-            assert tokens == ref_tokens, (kill, j)
-        pause = max(wait for *_, wait in disturbed)
+        disturbed = await run_streams(client, PROMPTS, PARAMS, f"kill{kill}",
+                                      kill=lambda: _kill_controller(controller))
+        for j, (got, ref) in enumerate(zip(disturbed, reference, strict=True)):
+            assert got.error is None and got.finish_reason == "length", (kill, j, got.error)
+            assert got.token_ids == ref.token_ids, (kill, j)
+        pause = max(r.longest_wait_s for r in disturbed)
         PAUSES.append(pause)
         assert pause < MAX_PAUSE_S, f"kill {kill}: a stream paused {pause:.1f} s"
         assert client.num_reconnects == kill + 1

@@ -14,10 +14,10 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from collections.abc import Callable
 
 import pytest
 
+from benchmarks.chaos_streams import run_streams, stream
 from cluster.config import TokenflowConfig
 from cluster.controller_client import RayControllerClient
 from controller.messages import SamplingParams
@@ -46,46 +46,22 @@ def controller(cluster):
     ray.kill(controller)
 
 
-async def _stream(client: RayControllerClient, prompt: list[int], request_id: str,
-                  on_token: Callable[[int], None] | None = None
+async def _stream(client: RayControllerClient, prompt: list[int], request_id: str
                   ) -> tuple[list[int], str | None, str | None]:
-    _, deltas = await client.submit(prompt, PARAMS, request_id, 0, "default")
-    tokens: list[int] = []
-    finish, error = None, None
-    async for delta in deltas:
-        tokens.extend(delta.token_ids)
-        finish = delta.finish_reason or finish
-        error = delta.error or error
-        if on_token is not None and len(tokens) >= 2 > len(tokens) - len(delta.token_ids):
-            on_token(len(tokens))  # once per stream: it has 2 tokens now
-    return tokens, finish, error
+    result = await stream(client, prompt, PARAMS, request_id)
+    return result.token_ids, result.finish_reason, result.error
 
 
-async def _run_all(controller, client: RayControllerClient, tag: str,
-                   kill_worker: int | None = None) -> list[tuple]:
-    """All 16 prompts at once; with `kill_worker`, SIGKILL it once 4 streams have 2 tokens."""
-    started = asyncio.Event()
-    num_started = [0]
-
-    def on_token(num_tokens: int) -> None:
-        num_started[0] += 1
-        if num_started[0] >= 4:
-            started.set()
-
-    tasks = [asyncio.create_task(_stream(client, prompt, f"{tag}-{j}", on_token))
-             for j, prompt in enumerate(PROMPTS)]
-    if kill_worker is not None:
-        await asyncio.wait_for(started.wait(), 120)
-        pid = (await controller.stats.remote())["workers"][kill_worker]["pid"]
-        os.kill(pid, signal.SIGKILL)
-    return list(await asyncio.wait_for(asyncio.gather(*tasks), 300))
+async def _kill_worker(controller, worker: int) -> None:
+    pid = (await controller.stats.remote())["workers"][worker]["pid"]
+    os.kill(pid, signal.SIGKILL)
 
 
 async def run_scenario(controller) -> None:
     client = RayControllerClient(controller)
-    reference = await _run_all(controller, client, "ref")
-    assert all(f == "length" and e is None and len(t) == PARAMS.max_tokens
-               for t, f, e in reference)
+    reference = await run_streams(client, PROMPTS, PARAMS, "ref")
+    assert all(r.finish_reason == "length" and r.error is None
+               and len(r.token_ids) == PARAMS.max_tokens for r in reference)
     cached_before, _, _ = await _stream(client, CACHED_PROMPT, "cached-0")
     assert (await _stream(client, CACHED_PROMPT, "cached-1"))[0] == cached_before  # a hit
 
@@ -94,11 +70,11 @@ async def run_scenario(controller) -> None:
         worker = kill % 2
         before = (await controller.stats.remote())["workers"][worker]
         pids.add(before["pid"])
-        disturbed = await _run_all(controller, client, f"kill{kill}", kill_worker=worker)
-        for j, ((tokens, finish, error), (ref_tokens, _, _)) in enumerate(
-                zip(disturbed, reference, strict=True)):
-            assert error is None and finish == "length", (kill, j, error)
-            assert tokens == ref_tokens, (kill, j)
+        disturbed = await run_streams(client, PROMPTS, PARAMS, f"kill{kill}",
+                                      kill=lambda w=worker: _kill_worker(controller, w))
+        for j, (got, ref) in enumerate(zip(disturbed, reference, strict=True)):
+            assert got.error is None and got.finish_reason == "length", (kill, j, got.error)
+            assert got.token_ids == ref.token_ids, (kill, j)
         # A request after the crash whose prefix was cached before it: same tokens.
         again, _, error = await _stream(client, CACHED_PROMPT, f"cached-after-{kill}")
         assert error is None and again == cached_before

@@ -1,0 +1,66 @@
+"""Greedy streams through the controller's one protocol, with a process killed mid-run.
+
+Shared by the chaos tests (`tests/integration/test_*_restart.py`) and the chaos benchmark:
+every stream's tokens, finish reason, error and the longest wait between two of its deltas
+(the pause a client saw).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from cluster.controller_client import RayControllerClient
+from controller.messages import SamplingParams
+
+
+@dataclass
+class StreamResult:
+    token_ids: list[int]
+    finish_reason: str | None
+    error: str | None
+    longest_wait_s: float
+
+
+async def stream(client: RayControllerClient, prompt: list[int], params: SamplingParams,
+                 request_id: str, on_started: Callable[[], None] | None = None
+                 ) -> StreamResult:
+    """One request to its end; `on_started` once it has 2 tokens."""
+    _, deltas = await client.submit(prompt, params, request_id, 0, "default")
+    tokens: list[int] = []
+    finish, error = None, None
+    last, longest_wait = time.monotonic(), 0.0
+    async for delta in deltas:
+        now = time.monotonic()
+        longest_wait, last = max(longest_wait, now - last), now
+        tokens.extend(delta.token_ids)
+        finish = delta.finish_reason or finish
+        error = delta.error or error
+        if on_started is not None and len(tokens) >= 2 > len(tokens) - len(delta.token_ids):
+            on_started()
+    return StreamResult(tokens, finish, error, longest_wait)
+
+
+async def run_streams(client: RayControllerClient, prompts: list[list[int]],
+                      params: SamplingParams, tag: str,
+                      kill: Callable[[], Awaitable[None]] | None = None,
+                      num_started_before_kill: int = 4, timeout_s: float = 300.0
+                      ) -> list[StreamResult]:
+    """Every prompt at once; with `kill`, call it once `num_started_before_kill` streams
+    have 2 tokens (the kill lands mid-stream)."""
+    started = asyncio.Event()
+    num_started = [0]
+
+    def on_started() -> None:
+        num_started[0] += 1
+        if num_started[0] >= num_started_before_kill:
+            started.set()
+
+    tasks = [asyncio.create_task(stream(client, prompt, params, f"{tag}-{j}", on_started))
+             for j, prompt in enumerate(prompts)]
+    if kill is not None:
+        await asyncio.wait_for(started.wait(), 120)
+        await kill()
+    return list(await asyncio.wait_for(asyncio.gather(*tasks), timeout_s))
