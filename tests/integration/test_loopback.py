@@ -1,7 +1,8 @@
 """`make serve` listens on loopback only: every TCP listener and bound UDP socket of its
 process tree (the driver, Serve, Ray's GCS, raylet, agents and workers) is on 127.0.0.1 or
 ::1, apart from the ones Ray cannot move (`ray_cannot_move`, with the reason). The same
-server takes its API key from `--api-key`, through the environment of Ray's processes.
+server takes its API key from `--api-key`, through the environment of Ray's processes, and
+SIGTERM stops it cleanly with exit status 0.
 
 Read from /proc (Linux): the session's processes, their socket inodes, /proc/net/{tcp,udp}.
 """
@@ -108,7 +109,7 @@ def is_loopback(ip: str) -> bool:
 
 
 @pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads Linux /proc")
-def test_make_serve_listens_on_loopback_only() -> None:
+def test_make_serve_listens_on_loopback_only_and_stops_cleanly_on_sigterm() -> None:
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENFLOW_CLUSTER__NAMESPACE": "loopback"}
     env.pop("TOKENFLOW_API_KEYS", None)
@@ -139,6 +140,13 @@ def test_make_serve_listens_on_loopback_only() -> None:
                    if not is_loopback(s.ip) and not ray_cannot_move(s, port)]
         assert exposed == [], "\n".join(f"{s.proto} {s.ip}:{s.port} pid {s.pid} {s.cmdline[:120]}"
                                         for s in exposed)
+        # SIGTERM (docker stop, systemd) shuts Serve and Ray down cleanly: exit status 0
+        # (Ray's own handler, if installed last, would abort the process: -6).
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+        lines.append(out)
+        assert proc.returncode == 0, "".join(lines)
+        assert "stopping" in out
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
