@@ -45,11 +45,14 @@ def connect_controller(config: TokenflowConfig) -> Any:
 
 
 def run_remote(lines: Iterable[str], out: TextIO, config: TokenflowConfig,
-               done_ids: set[str], progress: bool = True) -> dict[str, int]:
+               done_ids: set[str], progress: bool = True,
+               controller: Any = None) -> dict[str, int]:
     from cluster.controller_client import RayControllerClient
     from cluster.ingress import OpenAIServer
 
-    server = OpenAIServer(config, RayControllerClient(connect_controller(config)))
+    if controller is None:
+        controller = connect_controller(config)
+    server = OpenAIServer(config, RayControllerClient(controller))
     return asyncio.run(_run(server, lines, out, done_ids, progress))
 
 
