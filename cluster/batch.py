@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import json
 import os
+import resource
 import sys
 import time
 from collections.abc import Iterable
@@ -172,7 +173,10 @@ def main(argv: list[str] | None = None) -> int:
                 counts = run_remote(lines, out, config, done_ids,
                                     progress=not args.no_progress)
         summary_at = output + ".summary.json"
-    text = json.dumps(summary(counts, num_retried, time.perf_counter() - start))
+    result = summary(counts, num_retried, time.perf_counter() - start)
+    # This process's peak RSS: what streaming keeps bounded however long the input is.
+    result["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    text = json.dumps(result)
     print(text, file=sys.stderr)
     write_text(summary_at, text + "\n")
     return 0
