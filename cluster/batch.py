@@ -58,17 +58,9 @@ def run_local(lines: Iterable[str], out: TextIO, config: TokenflowConfig,
     frontend = Frontend(tokenizer, config, engine.worker.vocab_size)
     counts = new_counts()
     jobs: dict[str, Job] = {}
-    for custom_id, prepared in read_items(lines, frontend, done_ids, out, counts):
-        try:
-            request_id = engine.add_request(prepared.prompt_token_ids, prepared.params,
-                                            priority=prepared.priority)
-        except ValueError as err:  # the engine refused it (KV capacity)
-            write_error(out, custom_id, p.ProtocolError(400, str(err)), counts)
-            continue
-        jobs[request_id] = Job(custom_id, prepared, frontend.text_stream(prepared))
+    bar = Progress(progress)
 
-    bar = Progress(progress, total=len(jobs))
-    while jobs:
+    def step() -> None:
         for output in engine.step():
             job = jobs.get(output.request_id)
             if job is None:
@@ -82,6 +74,22 @@ def run_local(lines: Iterable[str], out: TextIO, config: TokenflowConfig,
             del jobs[output.request_id]
         if jobs and not engine.has_unfinished():
             raise RuntimeError("engine went idle with unfinished batch requests")
+
+    # Streamed like the cluster runner: at most batch_max_in_flight requests in the engine
+    # (its queue is bounded, and a long input must not be held in memory).
+    for custom_id, prepared in read_items(lines, frontend, done_ids, out, counts):
+        while len(jobs) >= config.cluster.batch_max_in_flight:
+            step()
+        try:
+            request_id = engine.add_request(prepared.prompt_token_ids, prepared.params,
+                                            priority=prepared.priority)
+        except ValueError as err:  # the engine refused it (KV capacity)
+            write_error(out, custom_id, p.ProtocolError(400, str(err)), counts)
+            continue
+        jobs[request_id] = Job(custom_id, prepared, frontend.text_stream(prepared))
+        bar.add_total(1)
+    while jobs:
+        step()
     bar.close()
     engine.check_integrity()
     return counts
