@@ -9,7 +9,7 @@ MODEL ?= builtin:tiny
 PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: install serve test bench bench-quick bench-gpu lint calibrate clean
+.PHONY: install serve test bench bench-quick bench-gpu bench-batch lint calibrate clean
 
 install: $(STAMP)
 
@@ -40,6 +40,11 @@ bench-quick: $(STAMP)
 # without network), run it with the system Python: `python3 -m benchmarks.gpu_bench`.
 bench-gpu: $(STAMP)
 	$(PY) -m benchmarks.gpu_bench
+
+# Batch throughput through `ray job submit` vs LocalEngine vs transformers static batching
+# (benchmarks/results/batch.json); starts and stops its own Ray head. NUM ?= 2000 requests.
+bench-batch: $(STAMP)
+	$(PY) -m benchmarks.batch_bench --num-requests $(or $(NUM),2000)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check cluster controller workers kvcache tests benchmarks

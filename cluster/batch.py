@@ -1,6 +1,7 @@
 """Batch inference over the OpenAI Batch file format.
 
     python -m cluster.batch -i IN.jsonl -o OUT.jsonl --local --model builtin:tiny
+    python -m cluster.batch -i /abs/rows.parquet -o /abs/out/ --ray-data   # on the cluster
 
 Each input line is `{"custom_id", "method", "url", "body"}`; each output line answers
 one `custom_id` with a response body or an error. A malformed line gets an error line
@@ -12,16 +13,31 @@ Without `--local` the requests go to a running tokenflow Ray cluster (`ray job s
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
+import resource
 import sys
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from typing import TextIO
 
 from cluster import protocol as p
-from cluster.batch_io import prepare_resume, read_items, write_line
+from cluster.batch_io import (
+    Progress,
+    check_location,
+    iter_input_lines,
+    new_counts,
+    open_output,
+    prepare_resume,
+    read_items,
+    summary,
+    write_answer,
+    write_error,
+    write_text,
+)
 from cluster.config import TokenflowConfig, nest
 from cluster.frontend import Frontend, Prepared, TextStream
 
@@ -35,28 +51,16 @@ class Job:
 
 def run_local(lines: Iterable[str], out: TextIO, config: TokenflowConfig,
               done_ids: set[str], progress: bool = True) -> dict[str, int]:
-    from tqdm import tqdm
-
     from cluster.engine import LocalEngine
 
     engine = LocalEngine(config)
     tokenizer = engine.worker.tokenizer
     frontend = Frontend(tokenizer, config, engine.worker.vocab_size)
-    counts = {"completed": 0, "failed": 0, "skipped": 0}
+    counts = new_counts()
     jobs: dict[str, Job] = {}
-    for custom_id, prepared in read_items(lines, frontend, done_ids, out, counts):
-        try:
-            request_id = engine.add_request(prepared.prompt_token_ids, prepared.params,
-                                            priority=prepared.priority)
-        except ValueError as err:  # the engine refused it (KV capacity)
-            write_line(out, p.batch_error_line(custom_id, p.ProtocolError(400, str(err))))
-            counts["failed"] += 1
-            continue
-        jobs[request_id] = Job(custom_id, prepared, frontend.text_stream(prepared))
+    bar = Progress(progress)
 
-    bar = tqdm(total=len(jobs), desc="batch", unit="req", disable=not progress,
-               file=sys.stderr)
-    while jobs:
+    def step() -> None:
         for output in engine.step():
             job = jobs.get(output.request_id)
             if job is None:
@@ -66,12 +70,26 @@ def run_local(lines: Iterable[str], out: TextIO, config: TokenflowConfig,
             if reason is None:
                 continue
             body = frontend.response(job.prepared, output.request_id, job.stream, reason)
-            write_line(out, p.batch_output_line(job.custom_id, body, None, 200))
+            write_answer(out, job.custom_id, body, counts, bar)
             del jobs[output.request_id]
-            counts["completed"] += 1
-            bar.update(1)
         if jobs and not engine.has_unfinished():
             raise RuntimeError("engine went idle with unfinished batch requests")
+
+    # Streamed like the cluster runner: at most batch_max_in_flight requests in the engine
+    # (its queue is bounded, and a long input must not be held in memory).
+    for custom_id, prepared in read_items(lines, frontend, done_ids, out, counts):
+        while len(jobs) >= config.cluster.batch_max_in_flight:
+            step()
+        try:
+            request_id = engine.add_request(prepared.prompt_token_ids, prepared.params,
+                                            priority=prepared.priority)
+        except ValueError as err:  # the engine refused it (KV capacity)
+            write_error(out, custom_id, p.ProtocolError(400, str(err)), counts)
+            continue
+        jobs[request_id] = Job(custom_id, prepared, frontend.text_stream(prepared))
+        bar.add_total(1)
+    while jobs:
+        step()
     bar.close()
     engine.check_integrity()
     return counts
@@ -80,15 +98,24 @@ def run_local(lines: Iterable[str], out: TextIO, config: TokenflowConfig,
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m cluster.batch", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("-i", "--input", required=True, type=Path, help="OpenAI Batch JSONL in")
-    ap.add_argument("-o", "--output", required=True, type=Path, help="JSONL out (appended)")
+    ap.add_argument("-i", "--input", required=True, help=(
+        "OpenAI Batch JSONL, or Parquet with a prompt/messages column: a path or a URI"))
+    ap.add_argument("-o", "--output", required=True, help=(
+        "JSONL out (appended), or with --ray-data a folder of shards: a path or a URI"))
     ap.add_argument("--local", action="store_true",
                     help="run in this process (LocalEngine) instead of on a Ray cluster")
+    ap.add_argument("--ray-data", action="store_true", help=(
+        "read the input with Ray Data and write sharded output with a manifest"))
     ap.add_argument("--model", help="checkpoint folder or builtin preset")
-    ap.add_argument("--max-num-batched-tokens", type=int)
+    ap.add_argument("--num-workers", type=int, help="worker actors of a controller the job "
+                    "starts (a running controller keeps its own)")
+    ap.add_argument("--max-num-batched-tokens", type=int, help=(
+        "step budget (default for offline jobs: cluster.batch_max_num_batched_tokens)"))
     ap.add_argument("--max-num-seqs", type=int)
     ap.add_argument("--block-size", type=int)
     ap.add_argument("--num-kv-blocks", type=int)
+    ap.add_argument("--max-in-flight", type=int, help="cluster.batch_max_in_flight")
+    ap.add_argument("--rows-per-shard", type=int, help="cluster.batch_rows_per_shard")
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                     default=None)
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -97,31 +124,69 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+BUDGET_ENV = "TOKENFLOW_SCHEDULER__MAX_NUM_BATCHED_TOKENS"
+
+
 def config_from_args(args: argparse.Namespace) -> TokenflowConfig:
-    return TokenflowConfig(**nest({
-        "worker.model": args.model,
+    config = TokenflowConfig(**nest({
+        "worker.model": args.model, "worker.num_workers": args.num_workers,
         "scheduler.max_num_batched_tokens": args.max_num_batched_tokens,
         "scheduler.max_num_seqs": args.max_num_seqs, "cache.block_size": args.block_size,
         "cache.num_kv_blocks": args.num_kv_blocks,
         "cache.enable_prefix_caching": args.enable_prefix_caching,
+        "cluster.batch_max_in_flight": args.max_in_flight,
+        "cluster.batch_rows_per_shard": args.rows_per_shard,
         "calibration.auto": False if args.no_calibrate else None}))
+    return offline_budget(config, args.max_num_batched_tokens is not None
+                          or BUDGET_ENV in os.environ)
+
+
+def offline_budget(config: TokenflowConfig, budget_set: bool) -> TokenflowConfig:
+    """An offline job's step budget: cluster.batch_max_num_batched_tokens unless the budget
+    was set (flag, env, budget file). The calibrated table recommends a budget for the ITL
+    SLO, which no one waits on here, so auto calibration does not override it."""
+    if budget_set or config.calibration.budget_file is not None:
+        return config
+    scheduler = dataclasses.replace(
+        config.scheduler, max_num_batched_tokens=config.cluster.batch_max_num_batched_tokens)
+    calibration = config.calibration.model_copy(update={"auto": False})
+    return config.model_copy(update={"scheduler": scheduler, "calibration": calibration})
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    try:
+        inp = check_location(args.input, "input")
+        output = check_location(args.output, "output")
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     config = config_from_args(args)
-    done_ids, num_retried = prepare_resume(args.output)
-    with args.input.open() as inp, args.output.open("a") as out:
-        if args.local:
-            counts = run_local(inp, out, config, done_ids, progress=not args.no_progress)
-        else:
-            from cluster.remote_batch import run_remote
+    start = time.perf_counter()
+    if args.ray_data:
+        from cluster.ray_data_batch import run_ray_data
 
-            counts = run_remote(inp, out, config, done_ids, progress=not args.no_progress)
-    counts["retried"] = num_retried  # retryable failures of an earlier run, run again
-    summary = json.dumps(counts)
-    print(summary, file=sys.stderr)
-    args.output.with_name(args.output.name + ".summary.json").write_text(summary + "\n")
+        counts, num_retried = run_ray_data(inp, output, config,
+                                           progress=not args.no_progress)
+        summary_at = output.rstrip("/") + "/summary.json"
+    else:
+        done_ids, num_retried = prepare_resume(output)
+        with open_output(output) as out:
+            lines = iter_input_lines(inp)
+            if args.local:
+                counts = run_local(lines, out, config, done_ids, progress=not args.no_progress)
+            else:
+                from cluster.remote_batch import run_remote
+
+                counts = run_remote(lines, out, config, done_ids,
+                                    progress=not args.no_progress)
+        summary_at = output + ".summary.json"
+    result = summary(counts, num_retried, time.perf_counter() - start)
+    # This process's peak RSS: what streaming keeps bounded however long the input is.
+    result["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    text = json.dumps(result)
+    print(text, file=sys.stderr)
+    write_text(summary_at, text + "\n")
     return 0
 
 

@@ -4,6 +4,7 @@
                         [--warmup N --iters N] [--max-tokens N] [--threads N]
     tokenflow calibrate --check budget.json [--tolerance X] [--warmup N --iters N]
     tokenflow dashboard push --grafana-url URL [--token T] [--file dashboards/tokenflow.json]
+    tokenflow batch -i IN -o OUT [--local | --ray-data] ...   (= python -m cluster.batch)
 
 `calibrate` measures on this machine's worker device (workers/calibrate.py), fits the cost
 model and writes the budget table plus a PNG of the fit beside it (budget.png).
@@ -193,6 +194,11 @@ def run_dashboard_push(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["batch"]:  # its own parser: the same options as `python -m cluster.batch`
+        from cluster.batch import main as batch_main
+
+        return batch_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "dashboard":
         return run_dashboard_push(args)

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 from collections.abc import Iterable
 from typing import Any, TextIO
 
 from cluster import protocol as p
-from cluster.batch_io import read_items, write_line
+from cluster.batch_io import Progress, new_counts, read_items, write_answer, write_error
 from cluster.config import TokenflowConfig
 from cluster.frontend import Frontend, Prepared
 from controller.core import NoWorkerUpError, QueueFullError
@@ -46,44 +45,45 @@ def connect_controller(config: TokenflowConfig) -> Any:
 
 
 def run_remote(lines: Iterable[str], out: TextIO, config: TokenflowConfig,
-               done_ids: set[str], progress: bool = True) -> dict[str, int]:
+               done_ids: set[str], progress: bool = True,
+               controller: Any = None) -> dict[str, int]:
     from cluster.controller_client import RayControllerClient
     from cluster.ingress import OpenAIServer
 
-    server = OpenAIServer(config, RayControllerClient(connect_controller(config)))
+    if controller is None:
+        controller = connect_controller(config)
+    server = OpenAIServer(config, RayControllerClient(controller))
     return asyncio.run(_run(server, lines, out, done_ids, progress))
 
 
 async def _run(server: Any, lines: Iterable[str], out: TextIO, done_ids: set[str],
                progress: bool) -> dict[str, int]:
-    from tqdm import tqdm
-
+    # A controller the job just started is loading its model: wait longer than the
+    # online edge would before giving up.
+    await asyncio.wait_for(server.client.model_info(), server.config.cluster.batch_ready_wait_s)
     frontend: Frontend = await server.frontend()
-    counts = {"completed": 0, "failed": 0, "skipped": 0}
+    counts = new_counts()
     slots = asyncio.Semaphore(server.config.cluster.batch_max_in_flight)
-    bar = tqdm(desc="batch", unit="req", disable=not progress, file=sys.stderr)
-    tasks: list[asyncio.Task[None]] = []
-
-    def fail(custom_id: str | None, err: p.ProtocolError) -> None:
-        write_line(out, p.batch_error_line(custom_id, err))
-        counts["failed"] += 1
+    bar = Progress(progress)
+    tasks: set[asyncio.Task[None]] = set()
 
     async def run_one(custom_id: str, prepared: Prepared) -> None:
         try:
             body = await _generate(server, frontend, prepared)
         except p.ProtocolError as err:
-            fail(custom_id, err)
+            write_error(out, custom_id, err, counts)
+            bar.finished(0)
         else:
-            write_line(out, p.batch_output_line(custom_id, body, None, 200))
-            counts["completed"] += 1
+            write_answer(out, custom_id, body, counts, bar)
         finally:
             slots.release()
-            bar.update(1)
 
     for custom_id, prepared in read_items(lines, frontend, done_ids, out, counts):
-        await slots.acquire()  # bounded in flight: reading the file waits for capacity
-        bar.total = (bar.total or 0) + 1
-        tasks.append(asyncio.create_task(run_one(custom_id, prepared)))
+        await slots.acquire()  # bounded in flight: reading the input waits for capacity
+        bar.add_total(1)
+        task = asyncio.create_task(run_one(custom_id, prepared))
+        tasks.add(task)  # finished tasks leave the set: memory stays bounded too
+        task.add_done_callback(tasks.discard)
     await asyncio.gather(*tasks)
     bar.close()
     return counts

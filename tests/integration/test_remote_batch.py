@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
+import re
+from pathlib import Path
 
 from cluster.remote_batch import run_remote
 from tests.integration.conftest import Cluster
@@ -26,9 +29,62 @@ def test_remote_batch_answers_every_line(cluster: Cluster) -> None:
     ]
     out = io.StringIO()
     counts = run_remote(lines, out, cluster.config, {"done-before"}, progress=False)
-    assert counts == {"completed": 2, "failed": 2, "skipped": 1}
+    assert counts == {"completed": 2, "failed": 2, "failed_400": 2, "skipped": 1,
+                      "completion_tokens": 8}
     records = {r["custom_id"]: r for r in map(json.loads, out.getvalue().splitlines())}
     assert records["a"]["response"]["body"]["usage"]["completion_tokens"] == 5
     assert records["b"]["response"]["body"]["object"] == "chat.completion"
     assert records["c"]["response"]["status_code"] == 400
     assert None in records  # the unparseable line is answered without a custom_id
+
+
+def test_batch_requests_show_in_metrics(cluster: Cluster) -> None:
+    """Batch requests are counted by the controller like online ones, tenant `batch`."""
+    import httpx
+
+    lines = [batch_line("m", {"model": "builtin:tiny", "prompt": "metrics please",
+                              "max_tokens": 2, "ignore_eos": True})]
+    assert run_remote(lines, io.StringIO(), cluster.config, set(), progress=False)[
+        "completed"] == 1
+    text = httpx.get(f"{cluster.url}/metrics", timeout=30).text
+    assert re.search(r'tenant_prefill_tokens_total\{tenant="batch"\} [1-9]', text), text[:2000]
+
+
+def test_ray_data_parquet_shards_and_resume(cluster: Cluster, tmp_path: Path) -> None:
+    """Parquet rows through Ray Data into shards with a manifest; a rerun after losing a
+    shard and half of another answers exactly the missing rows."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from cluster.ray_data_batch import run_ray_data
+
+    num_rows = 30
+    pq.write_table(pa.table({
+        "prompt": [f"row {i}" for i in range(num_rows)],
+        "max_tokens": [3] * num_rows, "ignore_eos": [True] * num_rows,
+        "temperature": [0.0] * num_rows}), tmp_path / "rows.parquet")
+    config = cluster.config.model_copy(update={"cluster": dataclasses.replace(
+        cluster.config.cluster, batch_rows_per_shard=8)})
+    folder = str(tmp_path / "out")
+
+    counts, num_retried = run_ray_data(str(tmp_path / "rows.parquet"), folder, config,
+                                       progress=False)
+    assert counts["completed"] == num_rows and num_retried == 0
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["complete"] and manifest["num_lines"] == num_rows
+    assert [s["num_lines"] for s in manifest["shards"]] == [8, 8, 8, 6]
+
+    def answered() -> list[str]:
+        return sorted(json.loads(line)["custom_id"]
+                      for shard in sorted((tmp_path / "out").glob("part-*.jsonl"))
+                      for line in shard.read_text().splitlines())
+
+    assert answered() == sorted(str(i) for i in range(num_rows))
+    (tmp_path / "out" / "part-00001.jsonl").unlink()
+    shard = tmp_path / "out" / "part-00002.jsonl"
+    shard.write_text("".join(shard.read_text().splitlines(keepends=True)[:4]))
+    counts, _ = run_ray_data(str(tmp_path / "rows.parquet"), folder, config, progress=False)
+    assert counts["completed"] == 12 and counts["skipped"] == num_rows - 12
+    assert answered() == sorted(str(i) for i in range(num_rows))  # each exactly once
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["num_lines"] == num_rows

@@ -1,0 +1,202 @@
+"""Batch inference throughput: `ray job submit` vs `LocalEngine` vs transformers static batching.
+
+    python -m benchmarks.batch_bench [--num-requests 2000] [--out benchmarks/results/batch.json]
+
+The same greedy requests (builtin:tiny, short prompts, `max_tokens` each) run as:
+- `local`: `python -m cluster.batch --local` (LocalEngine in one process);
+- `job_jsonl`, `job_parquet`, `job_ray_data`: `ray job submit` of `python -m cluster.batch` on
+  a Ray head this script starts (loopback, free ports) and stops by pid; the job starts its
+  own controller with one worker, as in the README recipe;
+- `transformers_static`: `LlamaForCausalLM.generate` over static batches (left-padded).
+Tokens/s are generated tokens over each run's wall time as the job's summary reports it
+(model load and controller start included: what a user waits for). The driver's peak RSS
+comes from each summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = str(ROOT / ".venv" / "bin" / "python")
+RAY = str(ROOT / ".venv" / "bin" / "ray")
+MAX_TOKENS = 8
+HF_BATCH = 32
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def prompts(num: int) -> list[str]:
+    return [f"request {i}: a short note about the number {i * 13 % 997}" for i in range(num)]
+
+
+def write_inputs(folder: Path, texts: list[str]) -> tuple[Path, Path]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    jsonl = folder / "requests.jsonl"
+    with jsonl.open("w") as f:
+        for i, text in enumerate(texts):
+            body = {"model": "builtin:tiny", "prompt": text, "max_tokens": MAX_TOKENS,
+                    "temperature": 0, "ignore_eos": True}
+            f.write(json.dumps({"custom_id": str(i), "method": "POST",
+                                "url": "/v1/completions", "body": body}) + "\n")
+    parquet = folder / "requests.parquet"
+    pq.write_table(pa.table({"custom_id": [str(i) for i in range(len(texts))],
+                             "prompt": texts, "max_tokens": [MAX_TOKENS] * len(texts),
+                             "temperature": [0.0] * len(texts),
+                             "ignore_eos": [True] * len(texts)}), parquet)
+    return jsonl, parquet
+
+
+def summary_at(path: str) -> dict[str, Any]:
+    return json.loads(Path(path).read_text())
+
+
+def run_local(jsonl: Path, folder: Path) -> dict[str, Any]:
+    out = str(folder / "local.jsonl")
+    subprocess.run([PY, "-m", "cluster.batch", "-i", str(jsonl), "-o", out, "--local",
+                    "--model", "builtin:tiny", "--no-progress"], cwd=ROOT, check=True,
+                   capture_output=True, timeout=1800)
+    return summary_at(out + ".summary.json")
+
+
+class Head:
+    """A Ray head of our own (`ray start --block`), stopped by pid."""
+
+    def __init__(self) -> None:
+        self.env = dict(os.environ, RAY_AUTH_MODE="token")
+        self.env.pop("RAY_ADDRESS", None)
+        self.dashboard = free_port()
+        self.proc = subprocess.Popen(
+            [RAY, "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
+             "--port", str(free_port()), "--dashboard-port", str(self.dashboard),
+             "--ray-client-server-port", str(free_port()),
+             "--dashboard-agent-listen-port", str(free_port()), "--num-cpus", "4",
+             "--disable-usage-stats"], cwd=ROOT, env=self.env, start_new_session=True,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for _ in range(240):  # bounded poll of the job server coming up
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{self.dashboard}/api/version",
+                                       timeout=5).close()
+                return
+            except urllib.error.HTTPError:
+                return  # 401 without the token: up
+            except OSError:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(timeout=0.5)
+        raise TimeoutError("Ray head did not come up")
+
+    def submit(self, *args: str) -> None:
+        runtime_env = json.dumps({"py_executable": PY})
+        subprocess.run([RAY, "job", "submit", "--address",
+                        f"http://127.0.0.1:{self.dashboard}", "--working-dir", ".",
+                        "--runtime-env-json", runtime_env, "--", PY, "-m", "cluster.batch",
+                        *args, "--model", "builtin:tiny"], cwd=ROOT, env=self.env,
+                       check=True, capture_output=True, timeout=1800)
+
+    def stop(self) -> None:
+        import psutil
+
+        tree = psutil.Process(self.proc.pid).children(recursive=True)
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        _, alive = psutil.wait_procs(tree, timeout=15)
+        for proc in alive:
+            proc.kill()
+
+
+def run_transformers(texts: list[str]) -> dict[str, Any]:
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import LlamaForCausalLM
+
+    from workers.presets import resolve_model
+
+    path = resolve_model("builtin:tiny")
+    started = time.perf_counter()
+    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tokenizer = Tokenizer.from_file(str(Path(path) / "tokenizer.json"))
+    num_tokens = 0
+    for start in range(0, len(texts), HF_BATCH):
+        ids = [tokenizer.encode(t).ids for t in texts[start:start + HF_BATCH]]
+        width = max(map(len, ids))
+        pad = [[0] * (width - len(x)) + x for x in ids]  # left padding
+        mask = [[0] * (width - len(x)) + [1] * len(x) for x in ids]
+        with torch.inference_mode():
+            out = model.generate(torch.tensor(pad), attention_mask=torch.tensor(mask),
+                                 do_sample=False, max_new_tokens=MAX_TOKENS,
+                                 min_new_tokens=MAX_TOKENS, pad_token_id=0)
+        num_tokens += (out.shape[1] - width) * len(ids)
+    elapsed = time.perf_counter() - started
+    return {"completion_tokens": num_tokens, "elapsed_s": round(elapsed, 3),
+            "tokens_per_s": round(num_tokens / elapsed, 1), "batch_size": HF_BATCH}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--num-requests", type=int, default=2000)
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/batch.json")
+    args = ap.parse_args(argv)
+    texts = prompts(args.num_requests)
+    report: dict[str, Any] = {
+        "benchmark": "batch", "num_requests": args.num_requests, "max_tokens": MAX_TOKENS,
+        "model": "builtin:tiny",
+        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count()}}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        jsonl, parquet = write_inputs(folder, texts)
+        report["local"] = run_local(jsonl, folder)
+        print("local", report["local"], file=sys.stderr)
+        head = Head()
+        try:
+            head.submit("-i", str(jsonl), "-o", str(folder / "job.jsonl"), "--no-progress")
+            report["job_jsonl"] = summary_at(str(folder / "job.jsonl.summary.json"))
+            print("job_jsonl", report["job_jsonl"], file=sys.stderr)
+            head.submit("-i", str(parquet), "-o", str(folder / "job_pq.jsonl"),
+                        "--no-progress")
+            report["job_parquet"] = summary_at(str(folder / "job_pq.jsonl.summary.json"))
+            head.submit("-i", str(parquet), "-o", str(folder / "shards"), "--ray-data",
+                        "--rows-per-shard", "500", "--no-progress")
+            report["job_ray_data"] = summary_at(str(folder / "shards" / "summary.json"))
+        finally:
+            head.stop()
+    report["transformers_static"] = run_transformers(texts)
+    local_tps = report["local"]["tokens_per_s"]
+    job_tps = report["job_jsonl"]["tokens_per_s"]
+    report["job_vs_local"] = round(job_tps / local_tps, 3)
+    report["job_vs_transformers_static"] = round(
+        job_tps / report["transformers_static"]["tokens_per_s"], 3)
+    report["driver_peak_rss_mb"] = {k: report[k]["peak_rss_mb"]
+                                    for k in ("job_jsonl", "job_parquet", "job_ray_data")}
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps({k: report[k] for k in ("job_vs_local", "job_vs_transformers_static",
+                                              "driver_peak_rss_mb")}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""The README's `ray job submit` recipe, run as written against a real Ray head.
+
+The lines come from the README's `batch-cluster` block: the exports (ports and paths
+overridden through the environment they default from), the token, `ray start` (plus
+`--block`, so that this test owns the head's processes and stops them by pid; `ray stop`
+would stop every Ray head on the machine), `ray job submit` and the summary. `make install`
+is skipped: the test already runs from the installed `.venv`. Greedy token ids are compared
+with `LocalEngine`'s (`--local` on the same input); then half the output is deleted and the
+same command resumes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.integration.conftest import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+BEGIN, END = "<!-- batch-cluster:begin -->", "<!-- batch-cluster:end -->"
+NUM_REQUESTS = 12
+
+
+def readme_lines() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    block = text[text.index(BEGIN) + len(BEGIN):text.index(END)]
+    return [line for line in block.splitlines()
+            if line.strip() and not line.startswith(("```", "#"))]
+
+
+def pick(lines: list[str], prefix: str) -> list[str]:
+    return [line for line in lines if line.startswith(prefix)]
+
+
+def write_requests(path: Path) -> None:
+    rows = []
+    for i in range(NUM_REQUESTS):
+        body = {"model": "builtin:tiny", "prompt": f"request {i}: tell me about {i * 7}",
+                "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True}
+        rows.append(json.dumps({"custom_id": f"r{i}", "method": "POST",
+                                "url": "/v1/completions", "body": body}))
+    rows.insert(5, '{"custom_id": "torn", "method": "POST", "url": ')  # malformed
+    path.write_text("\n".join(rows) + "\n")
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def token_ids(path: Path) -> dict[str, list[int]]:
+    return {r["custom_id"]: r["response"]["body"]["choices"][0]["token_ids"]
+            for r in records(path) if r["custom_id"] is not None}
+
+
+def dashboard_up(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/version", timeout=5):
+            return True
+    except urllib.error.HTTPError:
+        return True  # it answers (401 without the token): it is up
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def ray_head(tmp_path: Path) -> Iterator[tuple[dict[str, str], str]]:
+    lines = readme_lines()
+    env = dict(os.environ, RAY_PORT=str(free_port()), DASHBOARD_PORT=str(free_port()),
+               CLIENT_PORT=str(free_port()), AGENT_PORT=str(free_port()),
+               IN=str(tmp_path / "requests.jsonl"), OUT=str(tmp_path / "results.jsonl"))
+    env.pop("RAY_ADDRESS", None)
+    prelude = "\n".join(pick(lines, "export ") + pick(lines, ".venv/bin/ray get-auth-token"))
+    (start,) = pick(lines, ".venv/bin/ray start ")
+    head = subprocess.Popen(["bash", "-c", f"{prelude}\nexec {start} --block"], cwd=ROOT,
+                            env=env, start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        port = int(env["DASHBOARD_PORT"])
+        # Bounded poll of the job server (the dashboard) coming up.
+        for _ in range(240):
+            if head.poll() is not None:
+                raise RuntimeError(f"ray start exited with {head.returncode}")
+            if dashboard_up(port):
+                break
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                head.wait(timeout=0.5)  # the poll's pause, cut short if the head exits
+        else:
+            raise TimeoutError("the Ray dashboard did not come up in 120 s")
+        yield env, prelude
+    finally:
+        stop_head(head)
+
+
+def stop_head(head: subprocess.Popen) -> None:
+    """SIGTERM the blocking `ray start` (it shuts its node down), then SIGKILL whatever of
+    its process tree is left: by pid, nothing of any other Ray head."""
+    try:
+        tree = psutil.Process(head.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        tree = []
+    head.send_signal(signal.SIGTERM)
+    try:
+        head.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        head.kill()
+        head.wait(timeout=30)
+    _, alive = psutil.wait_procs(tree, timeout=15)
+    for proc in alive:
+        proc.kill()
+    psutil.wait_procs(alive, timeout=15)
+
+
+def submit(env: dict[str, str], prelude: str) -> subprocess.CompletedProcess:
+    lines = readme_lines()
+    (job,) = pick(lines, ".venv/bin/ray job submit ")
+    (cat,) = pick(lines, "cat ")
+    return subprocess.run(["bash", "-c", f"{prelude}\n{job}\n{cat}"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=420)
+
+
+def summary_of(proc: subprocess.CompletedProcess) -> dict:
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_readme_ray_job_submit_and_resume(ray_head: tuple[dict[str, str], str],
+                                          tmp_path: Path) -> None:
+    env, prelude = ray_head
+    inp, out = Path(env["IN"]), Path(env["OUT"])
+    write_requests(inp)
+
+    proc = submit(env, prelude)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "tok/s" in proc.stdout + proc.stderr  # the progress bar, from the job log
+    summary = summary_of(proc)
+    assert summary["completed"] == NUM_REQUESTS
+    assert summary["failed_by_code"] == {"400": 1}
+    rows = records(out)
+    assert len(rows) == NUM_REQUESTS + 1
+    (bad,) = [r for r in rows if r["custom_id"] is None]
+    assert bad["response"]["status_code"] == 400
+    assert "not valid JSON" in bad["error"]["message"]
+
+    # Greedy: the cluster's token ids are LocalEngine's, token by token.
+    local_out = tmp_path / "local.jsonl"
+    local = subprocess.run(
+        [str(ROOT / ".venv/bin/python"), "-m", "cluster.batch", "-i", str(inp), "-o",
+         str(local_out), "--local", "--model", "builtin:tiny", "--no-progress"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert local.returncode == 0, local.stderr[-3000:]
+    cluster_ids = token_ids(out)
+    assert set(cluster_ids) == {f"r{i}" for i in range(NUM_REQUESTS)}
+    assert cluster_ids == token_ids(local_out)
+    assert all(len(ids) == 6 for ids in cluster_ids.values())
+
+    # Resume: drop every other answer and resubmit the same command.
+    kept = [line for i, line in enumerate(out.read_text().splitlines()) if i % 2 == 0]
+    out.write_text("".join(line + "\n" for line in kept))
+    num_kept = sum(1 for line in kept if json.loads(line)["custom_id"] is not None)
+    proc = submit(env, prelude)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = summary_of(proc)
+    assert summary["skipped"] == num_kept
+    assert summary["completed"] == NUM_REQUESTS - num_kept
+    answered = [r["custom_id"] for r in records(out) if r["custom_id"] is not None]
+    assert sorted(answered) == sorted(f"r{i}" for i in range(NUM_REQUESTS))  # once each
+    assert token_ids(out) == cluster_ids
+
+
+def test_relative_paths_refused_under_a_ray_job(tmp_path: Path) -> None:
+    env = dict(os.environ, RAY_JOB_CONFIG_JSON_ENV_VAR="{}")
+    proc = subprocess.run(
+        [str(ROOT / ".venv/bin/python"), "-m", "cluster.batch", "-i", "requests.jsonl",
+         "-o", str(tmp_path / "out.jsonl")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "relative path" in proc.stderr and "temporary copy" in proc.stderr
