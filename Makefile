@@ -9,7 +9,7 @@ MODEL ?= builtin:tiny
 PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: install serve test bench bench-quick bench-gpu bench-batch lint calibrate clean
+.PHONY: install serve test bench bench-quick bench-gpu bench-batch bench-capacity lint calibrate clean
 
 install: $(STAMP)
 
@@ -40,6 +40,13 @@ bench-quick: $(STAMP)
 # without network), run it with the system Python: `python3 -m benchmarks.gpu_bench`.
 bench-gpu: $(STAMP)
 	$(PY) -m benchmarks.gpu_bench
+
+# The policies benchmark with 100 requests per capacity trial, so that each trial's P99
+# rests on enough requests (benchmarks/results/capacity/; ~20 min on 2 cores, too long
+# for make bench, whose capacity trials use 12).
+bench-capacity: $(STAMP)
+	$(PY) -m benchmarks.policies_bench --capacity-requests 100 --name capacity \
+		--out-dir benchmarks/results/capacity
 
 # Batch throughput through `ray job submit` vs LocalEngine vs transformers static batching
 # (benchmarks/results/batch.json); starts and stops its own Ray head. NUM ?= 2000 requests.

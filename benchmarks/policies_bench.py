@@ -30,6 +30,7 @@ cores, two threads make every parallel region wait for the slower one.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
@@ -263,9 +264,12 @@ def _run(cfg: PoliciesConfig, out_dir: Path, itl_slo_ms: float | None) -> dict[s
     return report
 
 
-def run(quick: bool, out_dir: Path, itl_slo_ms: float | None = None) -> dict[str, Any]:
+def run(quick: bool, out_dir: Path, itl_slo_ms: float | None = None,
+        capacity_requests: int | None = None) -> dict[str, Any]:
     """The `benchmarks.run` entry. The SLO comes from `itl_slo_ms`, else the environment's
-    TOKENFLOW_BENCH_ITL_SLO_MS, else the measurement."""
+    TOKENFLOW_BENCH_ITL_SLO_MS, else the measurement. `capacity_requests` sizes each capacity
+    trial (`make bench-capacity`: 100, so that a trial's P99 rests on enough requests; the
+    default keeps `make bench` within its time)."""
     env = os.environ.get("TOKENFLOW_BENCH_ITL_SLO_MS")
     itl_slo_ms = itl_slo_ms or (float(env) if env else None)
     threads = torch.get_num_threads()
@@ -274,7 +278,11 @@ def run(quick: bool, out_dir: Path, itl_slo_ms: float | None = None) -> dict[str
     for name in QUIET_LOGGERS:  # slow-request and mode logs are expected here, by design
         logging.getLogger(name).setLevel(logging.ERROR)
     try:
-        return _run(QUICK if quick else FULL, out_dir, itl_slo_ms)
+        cfg = QUICK if quick else FULL
+        if capacity_requests is not None:
+            cfg = dataclasses.replace(cfg, mix=dataclasses.replace(
+                cfg.mix, num_requests=capacity_requests))
+        return _run(cfg, out_dir, itl_slo_ms)
     finally:  # process-wide settings: give them back to whoever runs next
         torch.set_num_threads(threads)
         for name, level in levels.items():
@@ -286,11 +294,14 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--itl-slo-ms", type=float, help="default: measured, see docstring")
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
+    parser.add_argument("--capacity-requests", type=int,
+                        help="requests per capacity trial (make bench-capacity: 100)")
+    parser.add_argument("--name", default="policies", help="report file name (no .json)")
     args = parser.parse_args()
-    report = run(args.quick, args.out_dir, args.itl_slo_ms)
+    report = run(args.quick, args.out_dir, args.itl_slo_ms, args.capacity_requests)
     report.setdefault("quick", args.quick)
-    (args.out_dir / "policies.json").write_text(json.dumps(report, indent=2) + "\n",
-                                                encoding="utf-8")
+    (args.out_dir / f"{args.name}.json").write_text(json.dumps(report, indent=2) + "\n",
+                                                    encoding="utf-8")
     for name, entry in report["targets"].items():
         print(f"{'met   ' if entry['met'] else 'MISSED'} {name}: {entry['value']:.3g} "
               f"{entry['comparison']} {entry['target']:g}")
