@@ -247,17 +247,13 @@ class ControllerCore:
                           eos_token_ids=self.eos_token_ids, priority=priority,
                           arrival_time=self.clock(), tenant=tenant,
                           max_model_len=self.max_model_len)
-        if request.request_id in self.request_to_worker:
-            raise ValueError(f"duplicate request id {request.request_id!r}")
-        worker = self.route(request)
-        self.workers[worker].scheduler.add_request(request)
-        self.request_to_worker[request.request_id] = worker
+        self.restore_request(request)
         return request
 
     def restore_request(self, request: Request) -> int:
-        """Queue a request an earlier controller admitted (read back from the journal) under
-        its own id: it recomputes its prompt and the tokens it already generated, then
-        continues where it stopped. Returns its worker."""
+        """Route and queue a built request; also one an earlier controller admitted (read
+        back from the journal) under its own id: it recomputes its prompt and the tokens it
+        already generated, then continues where it stopped. Returns its worker."""
         if request.request_id in self.request_to_worker:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         worker = self.route(request)
