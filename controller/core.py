@@ -505,7 +505,7 @@ class ControllerCore:
                 self.request_to_worker.pop(request.request_id, None)
                 request.status = RequestStatus.FINISHED_ABORTED
                 aborted.append(RequestOutput(
-                    request.request_id, [], request.status.value, request.num_prompt_tokens,
+                    request.request_id, [], request.status.finish_reason, request.num_prompt_tokens,
                     request.num_output_tokens, request.num_cached_tokens,
                     error=f"request was on {request.num_worker_failures} failed workers"))
                 continue
