@@ -100,8 +100,11 @@ class RayControllerClient:
                                                   priority, tenant, subscriber)
         except BaseException as err:
             self._queues.pop(request_id, None)
-            if isinstance(err, RayTaskError):
+            if isinstance(err, RayTaskError):  # refused: nothing was admitted
                 raise _unwrap(err) from None
+            # Cancelled (the client went away) or lost on the way: the controller may have
+            # admitted it already, and nobody would read its deltas.
+            self.abort(request_id)
             raise
         return ack, self._deltas(request_id, queue)
 
@@ -131,11 +134,14 @@ class RayControllerClient:
         try:
             while True:
                 try:
-                    refs = self.handle.subscribe.options(num_returns="streaming").remote(
-                        subscriber)
                     if to_resume:
+                        # Resume first (it creates the subscriber and parks the deltas there),
+                        # then subscribe: a failed resume must not leave a second stream
+                        # reading the same subscriber.
                         await self._resume(subscriber, to_resume)
                         to_resume = []
+                    refs = self.handle.subscribe.options(num_returns="streaming").remote(
+                        subscriber)
                     async for ref in refs:
                         self._dispatch(await ref)
                         backoff, broken_since = self.reconnect_backoff_s, 0.0
@@ -179,8 +185,12 @@ class RayControllerClient:
                 if queue is not None:
                     self._num_delivered[request_id] = (self._num_delivered.get(request_id, 0)
                                                        + len(delta.token_ids))
-            if queue is not None:  # else its consumer is gone: drop
+            if queue is not None:
                 queue.put_nowait(delta)
+            elif not delta.is_finished:
+                # Its consumer is gone without aborting it (a response body that never
+                # started): abort, or it would hold its KV blocks until max_tokens.
+                self.abort(request_id)
 
 
 async def run_request(client: ControllerClient, prompt_token_ids: list[int],
