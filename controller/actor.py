@@ -209,6 +209,8 @@ class ControllerActor:
         url = self.options.cluster.redis_url
         if not url:
             return []
+        if self.journal is not None:  # a failed start is retried: one writer thread only
+            self.journal.close()
         self.journal = Journal(url, self.options.journal)
         try:
             return await asyncio.to_thread(self.journal.load_unfinished)
@@ -353,7 +355,7 @@ class ControllerActor:
                                 last.num_cached_tokens if last else 0,
                                 last.error if last else None)
             sub.add(request_id, core.request_to_worker.get(request_id, -1))
-            if num_delivered > len(tokens):
+            if num_delivered > len(tokens) and not out.finished:  # else nothing would pop it
                 self._num_to_skip[request_id] = num_delivered - len(tokens)
             if not out.finished:
                 self._subscriber_of[request_id] = sub
