@@ -77,10 +77,12 @@ class ShardWriter(io.TextIOBase):
             {"shards": shards, "num_lines": sum(self.shard_to_num_lines.values()),
              "complete": complete}, indent=1) + "\n")
 
-    def close(self) -> None:
+    def close(self, complete: bool = True) -> None:
+        """Close the open shard; `complete` only when every input row was answered (a run
+        that failed or was interrupted leaves a manifest that says it is not)."""
         if self.file is not None:
             self._close_shard()
-        self.write_manifest(complete=True)
+        self.write_manifest(complete=complete)
         super().close()
 
 
@@ -133,6 +135,8 @@ def run_ray_data(location: str, folder: str, config: TokenflowConfig,
     try:
         counts = run_remote(dataset_lines(location), out, config, done,  # type: ignore[arg-type]
                             progress=progress, controller=controller)
-    finally:
-        out.close()
+    except BaseException:
+        out.close(complete=False)
+        raise
+    out.close()
     return counts, num_retry

@@ -73,6 +73,11 @@ async def _run(server: Any, lines: Iterable[str], out: TextIO, done_ids: set[str
         except p.ProtocolError as err:
             write_error(out, custom_id, err, counts)
             bar.finished(0)
+        except Exception as err:  # e.g. the controller restarting: retryable on resume
+            logger.warning("batch line %s failed: %s: %s", custom_id, type(err).__name__, err)
+            write_error(out, custom_id, p.ProtocolError(503, f"{type(err).__name__}: {err}"),
+                        counts)
+            bar.finished(0)
         else:
             write_answer(out, custom_id, body, counts, bar)
         finally:
