@@ -377,3 +377,44 @@ def test_restarted_worker_never_serves_a_prefix_cached_before_it_died() -> None:
         assert (await actor.stats())["workers"][0]["incarnation"] == "fake-2"
 
     run(main())
+
+
+def test_a_stream_nobody_reads_is_aborted_not_run_to_max_tokens() -> None:
+    """A response body that never started drops its delta iterator unread; the client must
+    abort the request at the first orphaned delta, or it holds its blocks to max_tokens."""
+    async def main() -> None:
+        actor, handles = make_actor(num_workers=1)
+        client = RayControllerClient(LocalHandle(actor))
+        long = SamplingParams(max_tokens=100, ignore_eos=True)
+        _, deltas = await client.submit([1, 2, 3], long, "orphan", 0, "t")
+        del deltas  # never iterated: its `finally` never runs
+        client._queues.pop("orphan")  # what the ingress's dropped response leaves behind
+        while actor.core.has_unfinished():
+            await asyncio.sleep(0)  # yield to the step loop; no wall-clock wait
+        stats = await actor.stats()
+        assert stats["num_aborted"] == 1
+        assert handles[0].num_steps < 10  # aborted early, not 100 decode steps
+        assert (await actor.check_integrity())["workers"][0]["checked"]
+
+    run(main())
+
+
+def test_a_request_on_too_many_failed_workers_is_aborted_and_the_loop_lives() -> None:
+    import dataclasses
+
+    async def main() -> None:
+        actor, handles = make_actor(num_workers=1)
+        actor.options = dataclasses.replace(actor.options, recovery=dataclasses.replace(
+            actor.options.recovery, max_worker_failures_per_request=1))
+        client = RayControllerClient(LocalHandle(actor))
+        handles[0].fail_next = True
+        _, poisoned = await collect(client, [1, 2, 3], "poison")
+        assert poisoned.finish_reason == FinishReason.ABORT and "failed workers" in (
+            poisoned.error or "")
+        assert (await actor.wait_workers_up(10))["num_workers_up"] == 1  # restarted
+        _, after = await collect(client, [4, 5, 6], "after")  # the loop survived
+        assert after.finish_reason == FinishReason.LENGTH and after.error is None
+        snap = await actor.metrics_snapshot()
+        assert snap.requests.finished_reason_to_count.get("abort") == 1
+
+    run(main())
