@@ -12,7 +12,8 @@ import pytest
 from tests.integration.conftest import Cluster
 
 MODEL = "builtin:tiny"
-OK_BODY: dict[str, Any] = {"model": MODEL, "prompt": "ok", "max_tokens": 2}
+# ignore_eos: the default temperature samples, and EOS may come first; the length must not.
+OK_BODY: dict[str, Any] = {"model": MODEL, "prompt": "ok", "max_tokens": 2, "ignore_eos": True}
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 
