@@ -377,15 +377,19 @@ class ControllerActor:
             return False
         self.num_aborted += 1
         self.slots[worker].after_release()
-        self._deliver(out)
+        self._deliver([out])
         if self.journal is not None:
             self.journal.end_step()
         return True
 
-    def _deliver(self, out: RequestOutput) -> None:
-        request_id = out.request_id
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
         if self.journal is not None:
-            self.journal.record_output(out)
+            self.journal.record_outputs(outputs)  # one lock per step, not per request
+        for out in outputs:
+            self._deliver_one(out)
+
+    def _deliver_one(self, out: RequestOutput) -> None:
+        request_id = out.request_id
         unclaimed = self._unclaimed.get(request_id)
         if unclaimed is not None:  # resumed from the journal, its consumer not back yet
             unclaimed.token_ids.extend(out.new_token_ids)

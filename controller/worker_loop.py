@@ -62,7 +62,7 @@ class WorkerHungError(RuntimeError):
 
 class WorkerSlot:
     def __init__(self, index: int, handle: Any, info: Any, core: ControllerCore,
-                 deliver: Callable[[RequestOutput], None],
+                 deliver: Callable[[list[RequestOutput]], None],
                  kill: Callable[[Any], None] | None = None,
                  recovery: RecoveryConfig | None = None) -> None:
         self.index = index
@@ -155,8 +155,7 @@ class WorkerSlot:
             raise WorkerHungError(f"step {plan.step_id} took over {deadline:.1f}s") from None
         received = time.perf_counter()
         outputs = self.core.finish_step(self.index, plan, result)
-        for out in outputs:
-            self.deliver(out)
+        self.deliver(outputs)
         self.on_step(result)
         if any(out.error for out in outputs):
             self.notify()  # a protection aborted a request: the worker must hear of it
@@ -186,8 +185,7 @@ class WorkerSlot:
         dead_incarnation = self.info.incarnation
         moved_to, aborted = self.core.worker_failed(
             self.index, self.recovery.max_worker_failures_per_request)
-        for out in aborted:
-            self.deliver(out)
+        self.deliver(aborted)
         self.on_requests_moved(moved_to)
         self.kill(self.handle)
         backoff = self.recovery.restart_backoff_s

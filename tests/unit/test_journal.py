@@ -71,8 +71,7 @@ class Driver:
             if out.finished:
                 self.finish[out.request_id] = str(out.finish_reason)
         if self.journal is not None:
-            for out in outputs:
-                self.journal.record_output(out)
+            self.journal.record_outputs(outputs)
             self.journal.record_chunks(chunk_events)
             self.journal.end_step()
         return outputs
@@ -102,6 +101,40 @@ def run_driver(driver: Driver, num_requests: int, admit_at: dict[int, int],
         if len(driver.finish) == num_requests:
             return
     raise AssertionError("requests did not finish")
+
+
+def wait_for_round_trips(journal: Journal, num: int) -> None:
+    with journal._cond:
+        assert journal._cond.wait_for(lambda: journal.num_round_trips >= num, FLUSH_S)
+
+
+def test_token_progress_is_coalesced_and_admissions_are_written_at_once(server) -> None:
+    """Steps' tokens wait out `write_interval_s` (here: forever) and then go in one round
+    trip; an admission does not wait."""
+    journal = Journal(server.url, JournalConfig(write_interval_s=3600.0))
+    r = redis.Redis.from_url(server.url, decode_responses=True)
+    try:
+        driver = Driver(journal)
+        driver.admit("r0", prompt(0))
+        wait_for_round_trips(journal, 1)  # no flush: the admission woke the writer
+        assert r.sismember("requests:unfinished", "r0")
+        for _ in range(5):
+            driver.step()
+        assert driver.tokens["r0"], "r0 decoded in those steps"
+        assert journal.num_round_trips == 1 and r.llen("tokens:r0") == 0
+        driver.admit("r1", prompt(1))
+        wait_for_round_trips(journal, 2)  # r1's admission carries r0's tokens with it
+        assert [int(t) for t in r.lrange("tokens:r0", 0, -1)] == driver.tokens["r0"]
+        assert r.sismember("requests:unfinished", "r1")
+        while len(driver.finish) < 2:
+            driver.step()
+        assert journal.flush(FLUSH_S) and journal.num_round_trips == 3
+        for rid in ("r0", "r1"):
+            assert [int(t) for t in r.lrange(f"tokens:{rid}", 0, -1)] == driver.tokens[rid]
+            assert r.hget(f"request:{rid}", "finish_reason") == "length"
+    finally:
+        journal.close()
+        r.close()
 
 
 def test_keys_hold_what_a_restart_needs_and_finished_ones_expire(server) -> None:
