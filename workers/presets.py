@@ -27,6 +27,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+from workers.loader import build_on_meta
 from workers.model_config import ModelConfig
 from workers.models.llama import LlamaForCausalLM
 from workers.tokenizer import DEFAULT_CHAT_TEMPLATE
@@ -121,7 +122,7 @@ def preset_config_dict(spec: PresetSpec) -> dict[str, object]:
 
 
 def random_state_dict(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
-    with torch.device("meta"):
+    with build_on_meta():
         shapes = {k: v.shape for k, v in LlamaForCausalLM(config).state_dict().items()}
     generator = torch.Generator(device="cpu").manual_seed(seed)
     state: dict[str, torch.Tensor] = {}

@@ -32,8 +32,11 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> Tensor:
-    """[hd/2] fp32 inverse frequencies, with llama3 frequency-dependent scaling if configured."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    """[hd/2] fp32 inverse frequencies, with llama3 frequency-dependent scaling if configured.
+
+    On the CPU even while a model is built on `meta`: real values are cheap, and torch's
+    first meta op imports its decompositions (~1.5 s of start-up)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
     inv_freq = 1.0 / (rope.rope_theta**exponents)
     if rope.rope_type != "llama3":
         return inv_freq
