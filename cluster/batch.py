@@ -53,10 +53,12 @@ def run_local(lines: Iterable[str], out: TextIO, config: TokenflowConfig,
               done_ids: set[str], progress: bool = True) -> dict[str, int]:
     from cluster.engine import LocalEngine
 
+    started = time.perf_counter()
     engine = LocalEngine(config)
     tokenizer = engine.worker.tokenizer
     frontend = Frontend(tokenizer, config, engine.worker.vocab_size)
     counts = new_counts()
+    counts["startup_ms"] = round(1e3 * (time.perf_counter() - started))
     jobs: dict[str, Job] = {}
     bar = Progress(progress)
 
@@ -125,6 +127,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 BUDGET_ENV = "TOKENFLOW_SCHEDULER__MAX_NUM_BATCHED_TOKENS"
+CHUNKS_ENV = "TOKENFLOW_SCHEDULER__MAX_CONCURRENT_CHUNKS"
 
 
 def config_from_args(args: argparse.Namespace) -> TokenflowConfig:
@@ -142,13 +145,18 @@ def config_from_args(args: argparse.Namespace) -> TokenflowConfig:
 
 
 def offline_budget(config: TokenflowConfig, budget_set: bool) -> TokenflowConfig:
-    """An offline job's step budget: cluster.batch_max_num_batched_tokens unless the budget
-    was set (flag, env, budget file). The calibrated table recommends a budget for the ITL
-    SLO, which no one waits on here, so auto calibration does not override it."""
+    """An offline job's step: cluster.batch_max_num_batched_tokens unless the budget was set
+    (flag, env, budget file), and cluster.batch_max_concurrent_chunks unless the chunk
+    limit was set (env). The calibrated table recommends a budget for the ITL SLO, which no
+    one waits on here, so auto calibration does not override it."""
+    scheduler = config.scheduler
+    if CHUNKS_ENV not in os.environ:
+        scheduler = dataclasses.replace(
+            scheduler, max_concurrent_chunks=config.cluster.batch_max_concurrent_chunks)
     if budget_set or config.calibration.budget_file is not None:
-        return config
+        return config.model_copy(update={"scheduler": scheduler})
     scheduler = dataclasses.replace(
-        config.scheduler, max_num_batched_tokens=config.cluster.batch_max_num_batched_tokens)
+        scheduler, max_num_batched_tokens=config.cluster.batch_max_num_batched_tokens)
     calibration = config.calibration.model_copy(update={"auto": False})
     return config.model_copy(update={"scheduler": scheduler, "calibration": calibration})
 

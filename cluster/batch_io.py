@@ -180,13 +180,20 @@ def new_counts() -> dict[str, int]:
 
 
 def summary(counts: dict[str, int], num_retried: int, elapsed_s: float) -> dict[str, Any]:
-    """This run's completed, failed (and by status code), skipped, retried, tokens."""
+    """This run's completed, failed (and by status code), skipped, retried, tokens; and
+    its start-up (model load, controller start: `counts["startup_ms"]`) apart from the
+    tokens/s after it, since a short job is mostly start-up."""
     by_code = {k.removeprefix("failed_"): v for k, v in sorted(counts.items())
                if k.startswith("failed_")}
+    num_tokens = counts["completion_tokens"]
+    startup_s = counts.get("startup_ms", 0) / 1e3
     return {"completed": counts["completed"], "failed": counts["failed"],
             "failed_by_code": by_code, "skipped": counts["skipped"], "retried": num_retried,
-            "completion_tokens": counts["completion_tokens"], "elapsed_s": round(elapsed_s, 3),
-            "tokens_per_s": round(counts["completion_tokens"] / max(elapsed_s, 1e-9), 1)}
+            "completion_tokens": num_tokens, "elapsed_s": round(elapsed_s, 3),
+            "tokens_per_s": round(num_tokens / max(elapsed_s, 1e-9), 1),
+            "startup_s": round(startup_s, 3),
+            "tokens_per_s_after_startup": round(
+                num_tokens / max(elapsed_s - startup_s, 1e-9), 1)}
 
 
 class Progress:

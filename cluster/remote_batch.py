@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Iterable
 from typing import Any, TextIO
 
@@ -50,19 +51,21 @@ def run_remote(lines: Iterable[str], out: TextIO, config: TokenflowConfig,
     from cluster.controller_client import RayControllerClient
     from cluster.ingress import OpenAIServer
 
+    started = time.perf_counter()
     if controller is None:
         controller = connect_controller(config)
     server = OpenAIServer(config, RayControllerClient(controller))
-    return asyncio.run(_run(server, lines, out, done_ids, progress))
+    return asyncio.run(_run(server, lines, out, done_ids, progress, started))
 
 
 async def _run(server: Any, lines: Iterable[str], out: TextIO, done_ids: set[str],
-               progress: bool) -> dict[str, int]:
+               progress: bool, started: float) -> dict[str, int]:
     # A controller the job just started is loading its model: wait longer than the
     # online edge would before giving up.
     await asyncio.wait_for(server.client.model_info(), server.config.cluster.batch_ready_wait_s)
     frontend: Frontend = await server.frontend()
     counts = new_counts()
+    counts["startup_ms"] = round(1e3 * (time.perf_counter() - started))
     slots = asyncio.Semaphore(server.config.cluster.batch_max_in_flight)
     bar = Progress(progress)
     tasks: set[asyncio.Task[None]] = set()

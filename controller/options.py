@@ -138,6 +138,11 @@ class ClusterConfig:
         "unless scheduler.max_num_batched_tokens or a budget file is set: no one waits on "
         "a token, so a step as large as vLLM's offline default amortizes weight reads "
         "instead of meeting an ITL SLO."))
+    batch_max_concurrent_chunks: int = setting(256, ge=1, description=(
+        "Prefill chunks per step of an offline batch job (local, or on a controller the "
+        "job starts) unless scheduler.max_concurrent_chunks is set: every short prompt is "
+        "a chunk, and the interactive limit would admit a batch of short prompts a few "
+        "per step while the step budget sits unused."))
     batch_ready_wait_s: float = setting(600.0, gt=0, description=(
         "How long a batch job waits for the controller's workers to come up (a job that "
         "starts its own controller loads the model first)."))
