@@ -162,6 +162,7 @@ class WorkerStats:
     num_budget_deviations: int
     num_slow_requests: int
     num_refits: int
+    slo_headroom: float  # the ITL SLO is divided by it when chunks are planned
     last_budget_score: float
     is_degraded: bool
     num_chunk_complete: int
@@ -270,6 +271,8 @@ class ControllerCore:
         candidates = [w for w in up if self.workers[w].scheduler.num_waiting < self.max_queue_len]
         if not candidates:
             raise QueueFullError("all request queues are full")
+        if len(candidates) == 1:  # nothing to weigh (scoring walks every queued request)
+            return candidates[0]
 
         def score(w: int) -> tuple[int, float, int]:
             sched = self.workers[w].scheduler
@@ -369,6 +372,7 @@ class ControllerCore:
             if refitted is not None:
                 state.step_cost = state.scheduler.step_cost = refitted
                 state.protections.cost_model = refitted.chunk_s
+            state.scheduler.slo_headroom = state.refit.headroom
             return
         alone = [state.protections.cost_model(e.num_tokens, e.start) for e in events]
         total = sum(alone)
@@ -458,6 +462,7 @@ class ControllerCore:
             num_budget_deviations=prot.stats.num_deviations,
             num_slow_requests=prot.stats.num_slow_requests,
             num_refits=state.refit.num_refits if state.refit is not None else 0,
+            slo_headroom=state.refit.headroom if state.refit is not None else 1.0,
             last_budget_score=prot.stats.last_budget_score, is_degraded=state.degraded,
             num_chunk_complete=events.num_chunk_complete,
             num_cache_evict=events.num_cache_evict,

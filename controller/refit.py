@@ -8,7 +8,11 @@ a new model is fitted on the window: least squares over the step's fixed cost, t
 apart and that fit is the better one, else the current model scaled by the median
 measured / predicted ratio (a device that got uniformly slower or faster). The window
 then starts afresh, so one drift gives one refit; a refit that would not predict the
-window better is dropped (noise, not drift). Torch-free.
+window better is dropped (noise, not drift).
+
+The same steps give the planning headroom: a high quantile of measured / predicted time
+over the last window (`slo_headroom_quantile`), which the scheduler divides the ITL SLO by,
+so that noisy steps, not only average ones, land under it. Torch-free.
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ from controller.scheduler import StepShape
 
 logger = logging.getLogger("tokenflow.refit")
 
+# Fewer steps than this say nothing about the noise: no headroom yet.
+MIN_HEADROOM_SAMPLES = 4
+
 
 @dataclass(frozen=True)
 class StepSample:
@@ -37,7 +44,19 @@ class OnlineRefit:
     def __init__(self, config: ProtectionConfig) -> None:
         self.config = config
         self.window: deque[tuple[StepSample, bool]] = deque(maxlen=config.refit_window)
+        # measured / predicted of the last steps with chunks, against the current model
+        self.ratios: deque[float] = deque(maxlen=config.refit_window)
         self.num_refits = 0
+
+    @property
+    def headroom(self) -> float:
+        """What the ITL SLO is divided by when chunks are planned (>= 1)."""
+        cfg = self.config
+        if len(self.ratios) < MIN_HEADROOM_SAMPLES:
+            return 1.0
+        ordered = sorted(self.ratios)
+        quantile = ordered[min(len(ordered) - 1, int(cfg.slo_headroom_quantile * len(ordered)))]
+        return min(max(quantile, 1.0), cfg.max_slo_headroom)
 
     def observe(self, shape: StepShape, elapsed_s: float,
                 cost: LinearStepCost) -> LinearStepCost | None:
@@ -49,6 +68,8 @@ class OnlineRefit:
         predicted = cost.step_s(sample.chunks, sample.num_decodes, sample.decode_context)
         deviated = predicted <= 0 or abs(elapsed_s / predicted - 1.0) > \
             self.config.deviation_threshold
+        if predicted > 0:
+            self.ratios.append(elapsed_s / predicted)
         self.window.append((sample, deviated))
         cfg = self.config
         if len(self.window) < cfg.refit_window or \
@@ -62,6 +83,7 @@ class OnlineRefit:
         if after >= before:  # noise, not drift: keep the model
             return None
         self.num_refits += 1
+        self.ratios.clear()  # measured against the old model
         logger.warning("cost model refitted (%s) on %d steps: median error %.0f%% -> %.0f%%",
                        how, len(samples), 100 * before, 100 * after)
         return refit

@@ -145,6 +145,8 @@ class Scheduler:
         # Both set: chunks are sized by predicted step time (the core swaps in a refit).
         self.step_cost = step_cost
         self.itl_slo_s = itl_slo_s
+        # >= 1: chunks are planned to itl_slo_s / slo_headroom (set from measured steps)
+        self.slo_headroom = 1.0
         self.chunk_unit = math.lcm(kv.block_size, getattr(step_cost, "tile", 1))
         self.kv = kv
         self.block_size = kv.block_size
@@ -434,12 +436,13 @@ class Scheduler:
     def _time_cap(self, context: int, most: int, reserved: int) -> int | None:
         """The largest chunk (<= `most`, a multiple of the block/tile unit unless it is
         `most`) at `context` whose step, with what the step already carries and `reserved`
-        tokens kept for short prompts, is predicted under the ITL SLO; None without a cost
-        model. Nothing fits: one unit for the step's first chunk (progress beats the SLO),
-        else 0."""
+        tokens kept for short prompts, is predicted under the ITL SLO divided by the
+        measured headroom; None without a cost model. Nothing fits: one unit for the step's
+        first chunk (progress beats the SLO), else 0."""
         cost, slo = self.step_cost, self.itl_slo_s
         if cost is None or slo is None or most <= 0:
             return None
+        slo /= self.slo_headroom
         shape = self.last_shape
         chunks = [*shape.chunks.values(), *([(reserved, 0)] if reserved else [])]
 
