@@ -38,11 +38,16 @@ class Prepared:
 
 
 class TextStream:
-    """Generated ids -> text deltas, cut before a stop string."""
+    """Generated ids -> text deltas, cut before a stop string.
 
-    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...]):
+    `is_lazy` (no stop strings, and no one reads the deltas: a non-streaming answer, a
+    batch line): ids are only gathered and decoded once at the end, the same text as the
+    incremental decode gives, for a fraction of the CPU (two decodes per token saved)."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...], is_lazy: bool = False):
         self.detok = IncrementalDetokenizer(tokenizer)
         self.matcher = p.StopStringMatcher(list(stop))
+        self.is_lazy = is_lazy and not stop
         self.text = ""
         self.token_ids: list[int] = []
         self.stopped = False
@@ -51,6 +56,8 @@ class TextStream:
         if self.stopped:
             return ""
         self.token_ids.extend(new_token_ids)
+        if self.is_lazy:
+            return ""
         delta, self.stopped = self.matcher.feed(self.detok.push(new_token_ids))
         self.text += delta
         return delta
@@ -73,7 +80,9 @@ class TextStream:
         if self.stopped:
             return ""
         # A trailing partial UTF-8 character comes out as U+FFFD, as a full decode gives.
-        delta, self.stopped = self.matcher.feed(self.detok.flush())
+        rest = self.detok.push(self.token_ids) if self.is_lazy else ""
+        self.is_lazy = False  # every id is in the detokenizer now
+        delta, self.stopped = self.matcher.feed(rest + self.detok.flush())
         if not self.stopped:
             delta += self.matcher.flush()
         self.text += delta
@@ -145,7 +154,10 @@ class Frontend:
         return list(dict.fromkeys([self.config.worker.model_name, self.config.worker.model]))
 
     def text_stream(self, prepared: Prepared) -> TextStream:
-        return TextStream(self.tokenizer, prepared.params.stop)
+        """Lazy (decoded once at the end) unless deltas are streamed or stop strings are
+        watched for."""
+        return TextStream(self.tokenizer, prepared.params.stop,
+                          is_lazy=not getattr(prepared.request, "stream", False))
 
     def response(self, prepared: Prepared, request_id: str, stream: TextStream,
                  finish_reason: FinishReason | None) -> dict:

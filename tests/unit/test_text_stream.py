@@ -66,3 +66,24 @@ def test_finished_in_the_same_delta_as_the_stop_string_is_not_aborted(tokenizer:
     pieces, reason, num_aborts = feed(stream, [("the end", FinishReason.LENGTH)])
     assert (pieces, reason, num_aborts) == (["the "], FinishReason.LENGTH, 0)
     assert openai_finish_reason(stream, reason) == FinishReason.STOP
+
+
+@pytest.mark.parametrize("stop", [(), ("zz",)])
+def test_a_lazy_stream_gives_the_eager_text_and_decodes_only_at_the_end(tokenizer, stop):
+    """Non-streaming answers gather ids and decode once; with a stop string to watch for,
+    the stream stays incremental. Split UTF-8 characters and a trailing half character
+    come out as the eager stream gives them."""
+    chunks = ["hé", "\u00e9"[:1], "llo ", "wörld"]
+    raw = [ids(c) for c in chunks] + [[0xE2 + 3, 0x82 + 3]]  # half of a 3-byte character
+    eager, lazy = TextStream(tokenizer, stop), TextStream(tokenizer, stop, is_lazy=True)
+    assert lazy.is_lazy == (not stop)
+    pieces = []
+    for i, chunk in enumerate(raw):
+        reason = FinishReason.LENGTH if i == len(raw) - 1 else None
+        eager.advance(chunk, reason, lambda: None)
+        piece, _ = lazy.advance(chunk, reason, lambda: None)
+        pieces.append(piece)
+    assert lazy.text == eager.text and lazy.text.endswith("\ufffd") and "wörld" in lazy.text
+    if not stop:
+        assert pieces[:-1] == ["", "", "", ""] and pieces[-1] == lazy.text
+    assert lazy.finish() == "" and lazy.text == eager.text  # a second finish adds nothing
