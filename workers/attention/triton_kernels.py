@@ -20,6 +20,9 @@ so slot `s` of the flattened `[num_blocks * block_size, Hkv, hd]` view holds one
 - `split_decode_attention`: flash-decoding for 1-token sequences with long contexts and few
   programs: each (sequence, KV head) is cut into `num_splits` key ranges whose partial
   outputs and log-sum-exps a second kernel merges.
+
+Both attention kernels run their key loop through `_attend_tile` (one K/V tile: load through the
+block table, scores, masking, online-softmax update), so the numerics exist once.
 """
 
 from __future__ import annotations
@@ -87,6 +90,44 @@ def _dim_mask(offs_d, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr):
 
 
 @triton.jit
+def _attend_tile(
+    q, m_i, l_i, acc, start_n, kv_end, q_pos,
+    k_cache_ptr, v_cache_ptr, table_row, head_off, stride_cs, scale_log2,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One online-softmax step over keys `start_n .. start_n + TILE_N` (those `< kv_end`) of
+    the sequence whose block-table row is `table_row`, for the rows of `q` [M, HEAD_DIM_P]:
+    returns the updated (m_i [M], l_i [M], acc [M, HEAD_DIM_P]), in log2 units (`scale_log2`
+    folds the softmax scale and log2(e)). With CAUSAL, row r also drops keys past `q_pos[r]`
+    (its global position); without, `q_pos` is not read. The only copy of the numerics: every
+    attention kernel calls it, so a fix to masking or softmax reaches them all."""
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    d_ok = _dim_mask(offs_d, HEAD_DIM, HEAD_DIM_P)
+    offs_n = start_n + tl.arange(0, TILE_N)
+    n_ok = offs_n < kv_end
+    block = tl.load(table_row + offs_n // BLOCK_SIZE, mask=n_ok, other=0)
+    slot = block.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE
+    row = slot * stride_cs + head_off  # [TILE_N] element offsets of the keys' rows
+    k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :],
+                mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [TILE_N, HEAD_DIM_P]
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [M, TILE_N]
+    if CAUSAL:
+        s = tl.where((offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :], s, float("-inf"))
+    else:
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
+    p = tl.math.exp2(s - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :],
+                mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [TILE_N, HEAD_DIM_P]
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _find_seq(query_start_ptr, seq_begin, base, num_seqs, q_block, BLOCK_Q: tl.constexpr):
     """Largest i < num_seqs with (query_start[seq_begin + i] - base) // BLOCK_Q + i <= q_block."""
     lo = 0
@@ -143,24 +184,10 @@ def _unified_attention_kernel(
     table_row = block_table_ptr + seq.to(tl.int64) * stride_bt
     head_off = kv_head * stride_ch
     for start_n in range(0, kv_end, TILE_N):
-        offs_n = start_n + tl.arange(0, TILE_N)
-        n_ok = offs_n < kv_end
-        block = tl.load(table_row + offs_n // BLOCK_SIZE, mask=n_ok, other=0)
-        slot = block.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE
-        row = slot * stride_cs + head_off  # [TILE_N] element offsets of the keys' rows
-        k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :],
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [TILE_N, HEAD_DIM_P]
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-        s = tl.where((offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
-        p = tl.math.exp2(s - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :],
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [TILE_N, HEAD_DIM_P]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, start_n, kv_end, q_pos,
+            k_cache_ptr, v_cache_ptr, table_row, head_off, stride_cs, scale_log2,
+            HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, CAUSAL=True, PRECISION=PRECISION)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # no key (padding): zeros
     tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=io_mask)
@@ -230,24 +257,11 @@ def _split_decode_kernel(
     table_row = block_table_ptr + seq.to(tl.int64) * stride_bt
     head_off = kv_head * stride_ch
     for start_n in range(begin, end, TILE_N):
-        offs_n = start_n + tl.arange(0, TILE_N)
-        n_ok = offs_n < end
-        block = tl.load(table_row + offs_n // BLOCK_SIZE, mask=n_ok, other=0)
-        slot = block.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE
-        row = slot * stride_cs + head_off  # [TILE_N] element offsets of the keys' rows
-        k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :],
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [TILE_N, HEAD_DIM_P]
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-        s = tl.where(n_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :],
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        # Not causal: the one query token is the sequence's last, it sees every key < end.
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, start_n, end, seq_len - 1,
+            k_cache_ptr, v_cache_ptr, table_row, head_off, stride_cs, scale_log2,
+            HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, CAUSAL=False, PRECISION=PRECISION)
     has_keys = l_i > 0.0
     lse = tl.where(has_keys, m_i + tl.math.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
