@@ -60,6 +60,7 @@ from workers.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+METRICS = "/metrics"
 
 
 def error_response(err: p.ProtocolError, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -222,8 +223,14 @@ class OpenAIServer:
             "Retry-After": str(self.config.cluster.retry_after_s)}
         return JSONResponse(status, status_code=200 if status["ok"] else 503, headers=headers)
 
-    async def metrics(self) -> Response:
-        """Prometheus text from the controller's one snapshot: identical on every replica."""
+    async def metrics(self, request: Request) -> Response:
+        """Prometheus text from the controller's one snapshot: identical on every replica.
+        Open unless `edge.metrics_require_api_key` (and keys are configured)."""
+        if self.config.edge.metrics_require_api_key and not self.auth.is_open:
+            try:
+                self.auth.authenticate(request.headers)
+            except p.ProtocolError as err:
+                return self.error(err)
         try:
             snap = await asyncio.wait_for(self.client.metrics_snapshot(),
                                           self.config.cluster.ready_wait_s)
@@ -390,10 +397,14 @@ def add_routes(app: FastAPI, server: OpenAIServer) -> FastAPI:
     async def health() -> Response:
         return await server.health()
 
+    async def metrics(request: Request) -> Response:
+        return await server.metrics(request)
+
     app.post(COMPLETIONS)(completions)
     app.post(CHAT)(chat_completions)
     app.get(MODELS)(models)
     app.get(HEALTH)(health)
+    app.get(METRICS)(metrics)
     return configure_app(app)
 
 
@@ -431,9 +442,9 @@ class TokenflowIngress:
     async def health(self) -> Response:
         return await self.server.health()
 
-    @app.get("/metrics")
-    async def metrics(self) -> Response:
-        response = await self.server.metrics()
+    @app.get(METRICS)
+    async def metrics(self, request: Request) -> Response:
+        response = await self.server.metrics(request)
         # Which replica answered: any replica's scrape must read the same.
         response.headers["X-Tokenflow-Replica"] = self.replica_id
         return response

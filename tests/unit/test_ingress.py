@@ -23,6 +23,7 @@ from cluster.frontend import CHAT, COMPLETIONS
 from cluster.ingress import OpenAIServer, add_routes, sse_events
 from controller.core import QueueFullError
 from controller.messages import Ack, Delta, FinishReason, SamplingParams
+from controller.request_metrics import MetricsSnapshot, RequestMetrics
 from workers.presets import resolve_model
 
 
@@ -67,6 +68,9 @@ class FakeClient:
             last = i == len(tokens) - 1
             yield Delta(request_id, 0, [token], FinishReason.LENGTH if last else None,
                         num_prompt_tokens, i + 1)
+
+    async def metrics_snapshot(self) -> MetricsSnapshot:
+        return MetricsSnapshot([], RequestMetrics().snapshot())
 
     def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
@@ -418,6 +422,27 @@ def test_keys_authenticate_and_name_the_tenant() -> None:
     assert fake.tenants == ["team-a"]  # the key's tenant, not the header's
     assert client.get("/health").status_code == 200  # open without a key
     assert client.get("/v1/models").status_code == 401
+
+
+@pytest.mark.parametrize("require", [False, True])
+def test_metrics_needs_a_key_only_when_configured(require: bool) -> None:
+    client = make_client(FakeClient([]), edge={"api_keys": KEYS,
+                                               "metrics_require_api_key": require})
+    keyed = client.get("/metrics", headers={"Authorization": "Bearer sk-team-a"})
+    assert keyed.status_code == 200 and b"tokenflow_" in keyed.content
+    for headers in ({}, {"Authorization": "Bearer sk-nope"}):
+        resp = client.get("/metrics", headers=headers)
+        if require:  # the same 401 as the /v1 routes
+            v1 = client.get("/v1/models", headers=headers)
+            assert resp.status_code == 401 and resp.json() == v1.json()
+            assert resp.headers["www-authenticate"] == "Bearer"
+        else:
+            assert resp.status_code == 200 and resp.content == keyed.content
+
+
+def test_metrics_stays_open_without_keys_even_when_required() -> None:
+    client = make_client(FakeClient([]), edge={"metrics_require_api_key": True})
+    assert client.get("/metrics").status_code == 200
 
 
 def test_without_keys_the_header_names_the_tenant() -> None:
