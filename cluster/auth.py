@@ -1,8 +1,9 @@
 """Who is calling the HTTP edge: API keys, the tenant a request is charged to, and the
 `priority` values it may ask for.
 
-With keys configured (`edge.api_keys`, `TOKENFLOW_API_KEYS`), every route but /health needs
-`Authorization: Bearer KEY`, and a request's tenant is its key's: a header the client
+With keys configured (`edge.api_keys`, `TOKENFLOW_API_KEYS`), every /v1 route needs
+`Authorization: Bearer KEY` (/metrics too with `edge.metrics_require_api_key`; /health never),
+and a request's tenant is its key's: a header the client
 chooses cannot spend another tenant's share. Without keys (local use on loopback) the
 `X-Tenant-Id` header names the tenant, as before. Either way `priority` must lie in the
 caller's range (lower runs first and may preempt others). Keys are compared by their

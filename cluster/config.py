@@ -182,8 +182,13 @@ class EdgeConfig(BaseModel):
         "deeper bodies get 400 before they are parsed."))
     api_keys: tuple[ApiKey, ...] = Field((), description=(
         "API keys (JSON list of {key, tenant, min_priority, max_priority}); the keys of "
-        "TOKENFLOW_API_KEYS are added. With any key, every route but /health needs one and "
-        "a request's tenant is its key's; without keys, the X-Tenant-Id header names it."))
+        "TOKENFLOW_API_KEYS are added. With any key, every /v1 route needs one and a "
+        "request's tenant is its key's; without keys, the X-Tenant-Id header names it. "
+        "/health stays open, /metrics too unless metrics_require_api_key."))
+    metrics_require_api_key: bool = Field(False, description=(
+        "With API keys configured, /metrics needs one too (401 without a valid key; give "
+        "the scraper `authorization: {credentials: KEY}`). False: /metrics is open, as in "
+        "vLLM. Without keys it changes nothing."))
     min_priority: int = Field(0, description=(
         "Lowest `priority` a request may ask for (lower runs first): 0, the default "
         "priority, so that no client can jump the queue unless its key allows it."))

@@ -92,7 +92,12 @@ class RayControllerClient:
                      ) -> tuple[Ack, AsyncIterator[Delta]]:
         from ray.exceptions import RayTaskError
 
+        # Subscriber choice and registration are one synchronous step: the pump decides to
+        # end and fails its queues without awaiting in between, and its task is done as
+        # soon as it returns, so this queue is either failed by that pump's `finally` or
+        # read by a live pump (a new one when the last one had ended).
         subscriber = self._subscribe()
+        pump = self._pump_task
         # Registered before `submit`: the first deltas may overtake its reply.
         queue = self._queues[request_id] = asyncio.Queue()
         try:
@@ -106,6 +111,12 @@ class RayControllerClient:
             # admitted it already, and nobody would read its deltas.
             self.abort(request_id)
             raise
+        if pump is not None and pump.done():
+            # The stream this request was sent to ended while `submit` was in flight: the
+            # pump's `finally` failed its queue, and the controller would park its deltas
+            # for a subscriber nobody reads until max_tokens. Sent after the ack, so the
+            # abort cannot overtake the admission (a no-op if it had already finished).
+            self.abort(request_id)
         return ack, self._deltas(request_id, queue)
 
     async def _deltas(self, request_id: str, queue: asyncio.Queue[Delta]
@@ -147,8 +158,14 @@ class RayControllerClient:
                         backoff, broken_since = self.reconnect_backoff_s, 0.0
                     return  # the controller closed the stream
                 except Exception as err:
+                    # To resume: the requests open when the stream first broke (or, after a
+                    # failed resume, those of them still open); a request registered since
+                    # was submitted for this subscriber anew, not resumed.
                     to_resume = [rid for rid in to_resume or self._queues if rid in self._queues]
-                    if not to_resume:
+                    # The end decision counts every open request, those registered during
+                    # the backoff or a failed resume too: ending now would fail them
+                    # although they are running.
+                    if not self._queues:
                         return  # nothing open: the next request subscribes again
                     now = time.monotonic()
                     broken_since = broken_since or now
@@ -157,11 +174,12 @@ class RayControllerClient:
                         return
                     logger.warning("the controller's delta stream broke (%s: %s), %d requests "
                                    "open: subscribing again", type(err).__name__, err,
-                                   len(to_resume))
+                                   len(self._queues))
                     await asyncio.sleep(backoff)  # a retry interval
                     backoff = min(2 * backoff, self.reconnect_backoff_max_s)
         finally:
-            # Every open request fails; the next request subscribes again.
+            # Every open request fails; the next request subscribes again. No await from the
+            # end decision to here: `submit` cannot register a queue in between.
             queues, self._queues = self._queues, {}
             self._num_delivered.clear()
             for request_id, queue in queues.items():

@@ -24,6 +24,7 @@ tests can drive it with a fake.
 # No `from __future__ import annotations` here: Serve rebuilds the route methods outside
 # this module, and FastAPI could then not resolve a string annotation `Request`.
 import asyncio
+import contextvars
 import dataclasses
 import logging
 import os
@@ -59,6 +60,7 @@ from workers.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+METRICS = "/metrics"
 
 
 def error_response(err: p.ProtocolError, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -104,32 +106,53 @@ class OpenAIServer:
         self.executor = ThreadPoolExecutor(num_text_threads(config),
                                            thread_name_prefix="tokenflow-text")
         self._frontend: Frontend | None = None
-        self._lock = asyncio.Lock()
+        # The one start in flight (model_info, then the tokenizer): every early request
+        # awaits it with its own timeout; replaced only once it failed.
+        self._start: asyncio.Task[Frontend] | None = None
 
     async def in_pool(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` on the text pool: the event loop keeps serving the other requests."""
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     async def frontend(self) -> Frontend:
-        """Tokenizer and model limits, asked of the controller once (its workers know them)."""
-        if self._frontend is None:
-            async with self._lock:
-                if self._frontend is None:
-                    # Bounded: while the workers start (or wait for resources) a request
-                    # gets 503 with Retry-After, never a hang.
-                    info = await asyncio.wait_for(self.client.model_info(),
-                                                  self.config.cluster.ready_wait_s)
-                    path = Path(info["model_path"])
-                    if not path.is_dir():  # another node's preset folder: build ours
-                        from workers.presets import resolve_model
+        """Tokenizer and model limits, asked of the controller once (its workers know them).
+        Each caller waits at most `cluster.ready_wait_s` for the shared start, however many
+        wait with it: while the workers start (or wait for resources) a request gets 503
+        with Retry-After, never a hang."""
+        if self._frontend is not None:
+            return self._frontend
+        start = self._start
+        if start is None or (start.done() and (start.cancelled()
+                                               or start.exception() is not None)):
+            # A fresh context: the cancellation of the request that happens to start it
+            # (its client went away) must not reach the call every other request awaits.
+            start = self._start = asyncio.get_running_loop().create_task(
+                self._start_frontend(), context=contextvars.Context())
+            # Retrieved here: a failure that every waiter timed out on is not an
+            # "exception never retrieved" at garbage collection.
+            start.add_done_callback(lambda task: task.cancelled() or task.exception())
+        # Shielded: a caller's timeout abandons its own wait, never the shared start.
+        return await asyncio.wait_for(asyncio.shield(start), self.config.cluster.ready_wait_s)
 
-                        path = resolve_model(self.config.worker.model)
-                    worker = dataclasses.replace(self.config.worker,
-                                                 max_model_len=info["max_model_len"])
-                    config = self.config.model_copy(update={"worker": worker})
-                    self._frontend = Frontend(Tokenizer(path), config, info["vocab_size"],
-                                              self.executor)
-        return self._frontend
+    async def _start_frontend(self) -> Frontend:
+        # Unbounded on purpose: Ray fails a call pending on a controller that died, and
+        # one that waits for its workers answers once they are up.
+        info = await self.client.model_info()
+        frontend = await self.in_pool(self._build_frontend, info)
+        self._frontend = frontend
+        return frontend
+
+    def _build_frontend(self, info: dict[str, Any]) -> Frontend:
+        """On the text pool: reading and parsing the tokenizer's files (and resolving a
+        preset) must not stall the streams on the event loop."""
+        path = Path(info["model_path"])
+        if not path.is_dir():  # another node's preset folder: build ours
+            from workers.presets import resolve_model
+
+            path = resolve_model(self.config.worker.model)
+        worker = dataclasses.replace(self.config.worker, max_model_len=info["max_model_len"])
+        config = self.config.model_copy(update={"worker": worker})
+        return Frontend(Tokenizer(path), config, info["vocab_size"], self.executor)
 
     async def handle(self, url: str, request: Request) -> Response:
         request_id = p.new_chat_completion_id() if url == CHAT else p.new_completion_id()
@@ -200,8 +223,14 @@ class OpenAIServer:
             "Retry-After": str(self.config.cluster.retry_after_s)}
         return JSONResponse(status, status_code=200 if status["ok"] else 503, headers=headers)
 
-    async def metrics(self) -> Response:
-        """Prometheus text from the controller's one snapshot: identical on every replica."""
+    async def metrics(self, request: Request) -> Response:
+        """Prometheus text from the controller's one snapshot: identical on every replica.
+        Open unless `edge.metrics_require_api_key` (and keys are configured)."""
+        if self.config.edge.metrics_require_api_key and not self.auth.is_open:
+            try:
+                self.auth.authenticate(request.headers)
+            except p.ProtocolError as err:
+                return self.error(err)
         try:
             snap = await asyncio.wait_for(self.client.metrics_snapshot(),
                                           self.config.cluster.ready_wait_s)
@@ -368,10 +397,14 @@ def add_routes(app: FastAPI, server: OpenAIServer) -> FastAPI:
     async def health() -> Response:
         return await server.health()
 
+    async def metrics(request: Request) -> Response:
+        return await server.metrics(request)
+
     app.post(COMPLETIONS)(completions)
     app.post(CHAT)(chat_completions)
     app.get(MODELS)(models)
     app.get(HEALTH)(health)
+    app.get(METRICS)(metrics)
     return configure_app(app)
 
 
@@ -409,9 +442,9 @@ class TokenflowIngress:
     async def health(self) -> Response:
         return await self.server.health()
 
-    @app.get("/metrics")
-    async def metrics(self) -> Response:
-        response = await self.server.metrics()
+    @app.get(METRICS)
+    async def metrics(self, request: Request) -> Response:
+        response = await self.server.metrics(request)
         # Which replica answered: any replica's scrape must read the same.
         response.headers["X-Tokenflow-Replica"] = self.replica_id
         return response

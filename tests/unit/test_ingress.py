@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -22,6 +23,7 @@ from cluster.frontend import CHAT, COMPLETIONS
 from cluster.ingress import OpenAIServer, add_routes, sse_events
 from controller.core import QueueFullError
 from controller.messages import Ack, Delta, FinishReason, SamplingParams
+from controller.request_metrics import MetricsSnapshot, RequestMetrics
 from workers.presets import resolve_model
 
 
@@ -66,6 +68,9 @@ class FakeClient:
             last = i == len(tokens) - 1
             yield Delta(request_id, 0, [token], FinishReason.LENGTH if last else None,
                         num_prompt_tokens, i + 1)
+
+    async def metrics_snapshot(self) -> MetricsSnapshot:
+        return MetricsSnapshot([], RequestMetrics().snapshot())
 
     def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
@@ -209,6 +214,80 @@ def test_requests_and_health_get_503_with_retry_after_while_workers_wait() -> No
     assert "CPU" in health.json()["reason"]  # names the missing resource
 
 
+class SlowStartClient(FakeClient):
+    """A controller that answers model_info only once `ready` is set; counts the asks."""
+
+    def __init__(self) -> None:
+        super().__init__(ids("ok"))
+        self.ready = asyncio.Event()
+        self.num_model_info_calls = 0
+
+    async def model_info(self) -> dict[str, Any]:
+        self.num_model_info_calls += 1
+        await self.ready.wait()
+        return await super().model_info()
+
+
+def test_concurrent_requests_share_one_start_and_each_waits_one_ready_wait(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests during a slow start each get their 503 after one ready_wait_s (not one per
+    request ahead of them: a single start is shared); once the controller answers they are
+    served, the tokenizer built on the text pool."""
+    import cluster.ingress
+    from workers.tokenizer import Tokenizer
+
+    build_threads: list[str] = []
+
+    def tokenizer(path: Any) -> Tokenizer:
+        build_threads.append(threading.current_thread().name)
+        return Tokenizer(path)
+
+    monkeypatch.setattr(cluster.ingress, "Tokenizer", tokenizer)
+    ready_wait_s, num_requests = 0.5, 6
+
+    async def main() -> tuple[list[int], float, list[int], int]:
+        fake = SlowStartClient()
+        server = OpenAIServer(TokenflowConfig(cluster={"ready_wait_s": ready_wait_s}), fake)
+        transport = httpx.ASGITransport(add_routes(FastAPI(), server))
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            began = time.perf_counter()
+            waiting = await asyncio.gather(*(client.post(COMPLETIONS, json=BODY)
+                                             for _ in range(num_requests)))
+            elapsed = time.perf_counter() - began
+            assert all("retry-after" in r.headers for r in waiting)
+            fake.ready.set()
+            served = await asyncio.gather(*(client.post(COMPLETIONS, json=BODY)
+                                            for _ in range(num_requests)))
+        return ([r.status_code for r in waiting], elapsed, [r.status_code for r in served],
+                fake.num_model_info_calls)
+
+    waiting, elapsed, served, num_calls = asyncio.run(main())
+    assert waiting == [503] * num_requests
+    assert served == [200] * num_requests
+    assert num_calls == 1  # one start, awaited by all, never restarted since it never failed
+    # Serialized waits would take num_requests * ready_wait_s (3 s).
+    assert elapsed < num_requests * ready_wait_s / 2, f"the 503s took {elapsed:.2f}s"
+    assert len(build_threads) == 1 and build_threads[0].startswith("tokenflow-text")
+
+
+def test_a_failed_start_is_retried_by_the_next_request() -> None:
+    class FailsOnce(FakeClient):
+        num_model_info_calls = 0
+
+        async def model_info(self) -> dict[str, Any]:
+            self.num_model_info_calls += 1
+            if self.num_model_info_calls == 1:
+                raise ConnectionError("the controller is restarting")
+            return await super().model_info()
+
+    fake = FailsOnce(ids("ok"))
+    client = make_client(fake)
+    assert client.post(COMPLETIONS, json=BODY).status_code == 503
+    assert client.post(COMPLETIONS, json=BODY).status_code == 200
+    assert client.post(COMPLETIONS, json=BODY).status_code == 200
+    assert fake.num_model_info_calls == 2
+
+
 def test_health_is_200_only_with_a_worker_up() -> None:
     class Up(FakeClient):
         async def ping(self) -> dict[str, Any]:
@@ -343,6 +422,27 @@ def test_keys_authenticate_and_name_the_tenant() -> None:
     assert fake.tenants == ["team-a"]  # the key's tenant, not the header's
     assert client.get("/health").status_code == 200  # open without a key
     assert client.get("/v1/models").status_code == 401
+
+
+@pytest.mark.parametrize("require", [False, True])
+def test_metrics_needs_a_key_only_when_configured(require: bool) -> None:
+    client = make_client(FakeClient([]), edge={"api_keys": KEYS,
+                                               "metrics_require_api_key": require})
+    keyed = client.get("/metrics", headers={"Authorization": "Bearer sk-team-a"})
+    assert keyed.status_code == 200 and b"tokenflow_" in keyed.content
+    for headers in ({}, {"Authorization": "Bearer sk-nope"}):
+        resp = client.get("/metrics", headers=headers)
+        if require:  # the same 401 as the /v1 routes
+            v1 = client.get("/v1/models", headers=headers)
+            assert resp.status_code == 401 and resp.json() == v1.json()
+            assert resp.headers["www-authenticate"] == "Bearer"
+        else:
+            assert resp.status_code == 200 and resp.content == keyed.content
+
+
+def test_metrics_stays_open_without_keys_even_when_required() -> None:
+    client = make_client(FakeClient([]), edge={"metrics_require_api_key": True})
+    assert client.get("/metrics").status_code == 200
 
 
 def test_without_keys_the_header_names_the_tenant() -> None:
