@@ -193,6 +193,10 @@ def _run(cfg: PoliciesConfig, out_dir: Path, itl_slo_ms: float | None) -> dict[s
     traces = run_scenes(engines, clocks, cfg.scene)
     _progress(f"scenes {time.perf_counter() - t:.0f} s; capacity")
     scene = {p: scene_metrics(trace) for p, trace in traces.items()}
+    for name, engine in engines.items():  # the closed loop's state after the scene
+        stats = engine.core.worker_stats(0)
+        scene[name]["slo_headroom_after"] = stats.slo_headroom
+        scene[name]["num_refits"] = stats.num_refits
     plot_scene(traces, slo_ms, out_dir / "policies.png")
     phases["scene_s"] = time.perf_counter() - t
 
