@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from controller.backoff import Backoff
 from controller.core import ControllerCore
 from controller.messages import StepResult
 from controller.request import RequestOutput
@@ -188,7 +189,7 @@ class WorkerSlot:
         self.deliver(aborted)
         self.on_requests_moved(moved_to)
         self.kill(self.handle)
-        backoff = self.recovery.restart_backoff_s
+        backoff = Backoff(self.recovery.restart_backoff_s, self.recovery.restart_backoff_max_s)
         while True:
             try:
                 info = await asyncio.wait_for(self.handle.info.remote(),
@@ -201,8 +202,7 @@ class WorkerSlot:
             except Exception as err:
                 logger.warning("worker %d not back yet: %s: %s", self.index,
                                type(err).__name__, err)
-            await asyncio.sleep(backoff)  # a retry interval, not synchronisation
-            backoff = min(2 * backoff, self.recovery.restart_backoff_max_s)
+            await asyncio.sleep(backoff.next_s())  # a retry interval, not synchronisation
         self.info = info
         self.core.worker_ready(self.index)
         self.up.set()
