@@ -24,6 +24,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
+from controller.backoff import Backoff
 from controller.messages import Ack, Delta, SamplingParams
 from controller.request_metrics import MetricsSnapshot
 
@@ -63,8 +64,9 @@ class RayControllerClient:
         self._num_delivered: dict[str, int] = {}  # unfinished request -> tokens queued
         self._subscriber = ""
         self._pump_task: asyncio.Task[None] | None = None
-        self.reconnect_backoff_s = reconnect_backoff_s
-        self.reconnect_backoff_max_s = reconnect_backoff_max_s
+        # Built here so that a bad value fails the constructor, not a later pump. One pump
+        # runs at a time (a new one only once the last is done): it may own this state.
+        self.reconnect_backoff = Backoff(reconnect_backoff_s, reconnect_backoff_max_s)
         self.reconnect_timeout_s = reconnect_timeout_s  # then every open request fails
         self.num_reconnects = 0
 
@@ -141,7 +143,9 @@ class RayControllerClient:
 
     async def _pump(self, subscriber: str) -> None:
         to_resume: list[str] = []  # requests open when the stream broke
-        backoff, broken_since = self.reconnect_backoff_s, 0.0
+        backoff = self.reconnect_backoff
+        backoff.reset()
+        broken_since = 0.0
         try:
             while True:
                 try:
@@ -155,7 +159,8 @@ class RayControllerClient:
                         subscriber)
                     async for ref in refs:
                         self._dispatch(await ref)
-                        backoff, broken_since = self.reconnect_backoff_s, 0.0
+                        backoff.reset()
+                        broken_since = 0.0
                     return  # the controller closed the stream
                 except Exception as err:
                     # To resume: the requests open when the stream first broke (or, after a
@@ -175,8 +180,7 @@ class RayControllerClient:
                     logger.warning("the controller's delta stream broke (%s: %s), %d requests "
                                    "open: subscribing again", type(err).__name__, err,
                                    len(self._queues))
-                    await asyncio.sleep(backoff)  # a retry interval
-                    backoff = min(2 * backoff, self.reconnect_backoff_max_s)
+                    await asyncio.sleep(backoff.next_s())  # a retry interval
         finally:
             # Every open request fails; the next request subscribes again. No await from the
             # end decision to here: `submit` cannot register a queue in between.

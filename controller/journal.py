@@ -32,6 +32,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from controller.backoff import Backoff
 from controller.messages import ChunkComplete, SamplingParams
 from controller.request import Request, RequestOutput
 from controller.settings import FORBID_EXTRA, check_settings, setting
@@ -282,7 +283,7 @@ class Journal:
     # -- the writer thread ------------------------------------------------------------------
     def _run(self) -> None:
         cfg = self.config
-        backoff = cfg.reconnect_backoff_s
+        backoff = Backoff(cfg.reconnect_backoff_s, cfg.reconnect_backoff_max_s)
         while True:
             with self._cond:
                 while not (self._ops or self._step_tokens or self._needs_catch_up
@@ -322,11 +323,11 @@ class Journal:
                     if self._stopping:
                         return
                 self._warn(err)
+                wait_s = backoff.next_s()
                 with self._cond:  # a retry interval, cut short by close()
-                    self._cond.wait_for(lambda: self._stopping, backoff)
-                backoff = min(2 * backoff, cfg.reconnect_backoff_max_s)
+                    self._cond.wait_for(lambda: self._stopping, wait_s)
                 continue
-            backoff = cfg.reconnect_backoff_s
+            backoff.reset()
             with self._cond:
                 self._is_writing = False
                 if is_catch_up:

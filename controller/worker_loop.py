@@ -6,6 +6,14 @@ The loop parks on `wake` when there is nothing to send the worker; everything th
 create work (a new request, an abort) calls `notify()`. `parked` is set only while the
 loop waits and nobody has notified it since, which is what the integrity check needs to
 know that the worker has been told about every finished request.
+
+Only a failed worker call (the actor died, raised, or outlived the step deadline) sends
+the worker to recovery (kill, move its requests, wait for a new incarnation). An
+exception in the controller's own part of a step is a controller bug: the worker is
+healthy and stays. If the worker ran the plan, the step's requests fail with an error;
+if the plan never reached it, what it holds is unknown, so every request here fails and
+the worker drops its state (`reset`). Either way their blocks are released, the error is
+logged and counted (`num_controller_errors`), and the loop goes on.
 """
 
 from __future__ import annotations
@@ -17,18 +25,20 @@ import dataclasses
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
+from controller.backoff import Backoff
 from controller.core import ControllerCore
-from controller.messages import StepResult
+from controller.messages import FinishReason, StepPlan, StepResult
 from controller.request import RequestOutput
 from controller.settings import FORBID_EXTRA, check_settings, setting
 
 logger = logging.getLogger(__name__)
 # Step records kept for stats and the overhead benchmark; older ones are dropped.
 _MAX_RECORDS = 4096
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -56,8 +66,13 @@ class RecoveryConfig:
         check_settings(self)
 
 
-class WorkerHungError(RuntimeError):
-    """A step outlived its deadline."""
+class WorkerCallError(RuntimeError):
+    """A call to the worker actor failed (Ray actor or task error, an error the worker
+    raised): the only kind of failure that sends a worker to recovery."""
+
+
+class WorkerHungError(WorkerCallError):
+    """A call to the worker outlived its deadline."""
 
 
 class WorkerSlot:
@@ -87,6 +102,8 @@ class WorkerSlot:
         self.num_routed = 0
         self.num_steps = 0
         self.num_failures = 0
+        # Exceptions in the controller's own part of a step (a bug, not the worker's fault).
+        self.num_controller_errors = 0
         self.wall_s = 0.0  # controller wall time per step, summed
         self.compute_s = 0.0  # worker-reported compute time, summed
         # Recent steps: (requests, tokens, wall s, worker compute s, actor call s). Wall
@@ -118,10 +135,10 @@ class WorkerSlot:
             try:
                 stepped = await self._step(force)
                 force = False
-            except asyncio.CancelledError:
-                raise
-            except Exception as err:  # a dead or failing worker must not kill the loop
-                logger.warning("worker %d failed: %s: %s", self.index, type(err).__name__, err)
+            except WorkerCallError as err:  # a dead or failing worker must not kill the loop
+                if isinstance(err, WorkerHungError):
+                    self.num_hangs += 1
+                logger.warning("worker %d failed: %s", self.index, err)
                 await self._recover()
                 continue
             if not stepped:
@@ -139,24 +156,34 @@ class WorkerSlot:
         return self.core.workers[self.index].flow.paused and self.core.has_work(self.index)
 
     async def _step(self, force: bool = False) -> bool:
+        """One step; False when there was nothing to do. A failed worker call raises
+        WorkerCallError; an exception in the controller's own part is handled here."""
         if not self.core.has_work(self.index):
             return False
         start = time.perf_counter()
-        plan = self.core.begin_step(self.index)
-        if plan.is_empty and not plan.finished_request_ids and not force:
-            return False  # nothing can advance until a notify (flow control holds prefill)
-        sent = time.perf_counter()
-        deadline = self._deadline_s(plan)
         try:
-            result = await asyncio.wait_for(
-                self.handle.execute.remote(plan, self.info.incarnation), deadline)
-        except TimeoutError:
-            self.num_hangs += 1
-            raise WorkerHungError(f"step {plan.step_id} took over {deadline:.1f}s") from None
+            plan = self.core.begin_step(self.index)
+            if plan.is_empty and not plan.finished_request_ids and not force:
+                return False  # nothing can advance until a notify (flow control holds prefill)
+            sent = time.perf_counter()
+            deadline = self._deadline_s(plan)
+        except Exception as err:
+            await self._planning_failed(err)
+            return True
+        result = await self._call_worker(
+            lambda: self.handle.execute.remote(plan, self.info.incarnation), deadline,
+            f"step {plan.step_id}")
         received = time.perf_counter()
-        outputs = self.core.finish_step(self.index, plan, result)
-        self.deliver(outputs)
-        self.on_step(result)
+        outputs: list[RequestOutput] | None = None
+        is_delivered = False
+        try:
+            outputs = self.core.finish_step(self.index, plan, result)
+            self.deliver(outputs)
+            is_delivered = True
+            self.on_step(result)
+        except Exception as err:
+            self._finishing_failed(err, plan, outputs, is_delivered)
+            return True
         if any(out.error for out in outputs):
             self.notify()  # a protection aborted a request: the worker must hear of it
         wall = time.perf_counter() - start
@@ -167,6 +194,73 @@ class WorkerSlot:
         self.records.append((len(plan.num_scheduled_tokens), plan.total_num_scheduled_tokens,
                              wall, result.elapsed_s, received - sent))
         return True
+
+    async def _call_worker(self, call: Callable[[], Awaitable[T]], timeout_s: float,
+                           what: str) -> T:
+        """Await one call to the worker actor; any failure of it is the worker's, raised as
+        WorkerCallError (WorkerHungError past `timeout_s`). `call` makes the call inside
+        the guard: Ray may raise when the call is submitted, too."""
+        try:
+            return await asyncio.wait_for(call(), timeout_s)
+        except TimeoutError:
+            raise WorkerHungError(f"{what} took over {timeout_s:.1f}s") from None
+        except Exception as err:  # CancelledError is no Exception: it passes
+            raise WorkerCallError(f"{what}: {type(err).__name__}: {err}") from err
+
+    def _controller_error(self, err: Exception, where: str) -> str:
+        """Log (with the traceback) and count an exception in the controller's part of a
+        step; returns the error the failed requests end with."""
+        self.num_controller_errors += 1
+        logger.error("worker %d: controller error while %s; its requests fail, the worker "
+                     "stays", self.index, where, exc_info=err)
+        return f"internal controller error while {where} ({type(err).__name__}: {err})"
+
+    def _finishing_failed(self, err: Exception, plan: StepPlan,
+                          outputs: list[RequestOutput] | None, is_delivered: bool) -> None:
+        """The worker ran `plan`, then the controller failed to apply or hand out its
+        result. The worker and the controller still agree on what was sent, so only the
+        step's requests fail: aborted (blocks released now, the worker told on the next
+        plan), each with an error output. A request the step had already finished gets one
+        too unless its last output was delivered: it may be lost with the exception."""
+        error = self._controller_error(err, f"finishing step {plan.step_id}")
+        step_outputs = outputs or []
+        finished_ids = {out.request_id for out in step_outputs if out.finished}
+        request_ids = dict.fromkeys([*plan.num_scheduled_tokens,
+                                     *(out.request_id for out in step_outputs)])
+        failed = []
+        for request_id in request_ids:
+            if is_delivered and request_id in finished_ids:
+                continue  # its end reached the client
+            out = self.core.abort(request_id)
+            if out is None:  # finished before, or inside the failed step
+                if is_delivered:
+                    continue  # before: its end was delivered then
+                out = RequestOutput(request_id, [], FinishReason.ABORT, 0, 0)
+            out.error = error
+            failed.append(out)
+        self.deliver(failed)
+        self.notify()  # the worker must hear of the aborted ids and free their blocks
+
+    async def _planning_failed(self, err: Exception) -> None:
+        """The controller failed before the plan reached the worker. A plan may have been
+        built and lost (finished ids the worker never heard of, block moves it never made,
+        blocks it was never sent), so the two sides no longer agree on what the worker
+        holds. Every request here fails (the planner had all of them in view), the worker
+        drops its state, and the pool forgets its prefix hashes (a lost move leaves them
+        naming KV that was never copied). The worker is not restarted."""
+        error = self._controller_error(err, "planning a step")
+        state = self.core.workers[self.index]
+        failed, state.outbox = state.outbox, []  # ended by a protection, not handed out yet
+        for request_id in list(state.scheduler.requests):
+            out = self.core.abort(request_id)
+            if out is not None:
+                out.error = error
+                failed.append(out)
+        state.scheduler.forget_worker_state()
+        self.core.reset_prefix_cache(self.index)
+        self.deliver(failed)
+        await self._call_worker(self.handle.reset.remote, self.recovery.ready_timeout_s,
+                                "reset after a controller error")
 
     def _deadline_s(self, plan: Any) -> float:
         cfg = self.recovery
@@ -188,7 +282,7 @@ class WorkerSlot:
         self.deliver(aborted)
         self.on_requests_moved(moved_to)
         self.kill(self.handle)
-        backoff = self.recovery.restart_backoff_s
+        backoff = Backoff(self.recovery.restart_backoff_s, self.recovery.restart_backoff_max_s)
         while True:
             try:
                 info = await asyncio.wait_for(self.handle.info.remote(),
@@ -201,8 +295,7 @@ class WorkerSlot:
             except Exception as err:
                 logger.warning("worker %d not back yet: %s: %s", self.index,
                                type(err).__name__, err)
-            await asyncio.sleep(backoff)  # a retry interval, not synchronisation
-            backoff = min(2 * backoff, self.recovery.restart_backoff_max_s)
+            await asyncio.sleep(backoff.next_s())  # a retry interval, not synchronisation
         self.info = info
         self.core.worker_ready(self.index)
         self.up.set()
@@ -219,6 +312,7 @@ class WorkerSlot:
             **dataclasses.asdict(self.core.worker_stats(self.index)),
             "num_routed": self.num_routed, "num_loop_steps": self.num_steps,
             "num_failures": self.num_failures, "parked": self.parked.is_set(),
+            "num_controller_errors": self.num_controller_errors,
             "step_wall_ms_avg": 1e3 * self.wall_s / steps,
             "worker_compute_ms_avg": 1e3 * self.compute_s / steps,
             "controller_overhead_ms_avg": 1e3 * (self.wall_s - self.compute_s) / steps,

@@ -4,8 +4,9 @@ A fake handle's `execute.remote(plan)` returns a coroutine, which is what awaiti
 ObjectRef amounts to inside the actor. The edge's own `RayControllerClient` talks to the actor
 through `LocalHandle`, which runs its methods in this event loop the way Ray would run them
 remotely. Shows: a slow worker does not stall the other one, deltas carry every token, abort
-and a dropped subscriber free blocks, a failing worker fails only its own requests, and the
-loops park (no polling) when idle.
+and a dropped subscriber free blocks, a failing worker fails only its own requests, an
+exception in the controller's own part of a step fails that step's requests but never the
+worker, and the loops park (no polling) when idle.
 """
 
 from __future__ import annotations
@@ -416,5 +417,103 @@ def test_a_request_on_too_many_failed_workers_is_aborted_and_the_loop_lives() ->
         assert after.finish_reason == FinishReason.LENGTH and after.error is None
         snap = await actor.metrics_snapshot()
         assert snap.requests.finished_reason_to_count.get("abort") == 1
+
+    run(main())
+
+
+class ControllerBug(RuntimeError):
+    """An exception in the controller's own part of a step, injected by a test."""
+
+
+def raise_once_after(fn: Callable[..., Any], request_ids: Callable[..., Any], victim: str,
+                     nth: int) -> Callable[..., Any]:
+    """`fn`, which raises ControllerBug after it ran for the `nth` step carrying `victim`
+    (what `request_ids(*args)` lists): its effects stand, its return value is lost."""
+    num_seen = 0
+
+    def wrapper(*args: Any) -> Any:
+        nonlocal num_seen
+        value = fn(*args)
+        if victim in request_ids(*args):
+            num_seen += 1
+            if num_seen == nth:
+                raise ControllerBug(f"injected on step {num_seen} of {victim}")
+        return value
+
+    return wrapper
+
+
+async def assert_worker_kept_and_clean(actor: ControllerActor, handle: FakeWorkerHandle,
+                                       worker: int, num_controller_errors: int) -> None:
+    """No recovery ran (no kill, no new incarnation), the error was counted, and neither
+    the pool nor the worker holds a block once the loop parked."""
+    stats = (await actor.stats())["workers"][worker]
+    assert handle.num_restarts == 0 and stats["incarnation"] == "fake-0"
+    assert stats["num_failures"] == 0 and stats["is_up"]
+    assert stats["num_controller_errors"] == num_controller_errors
+    report = await actor.check_integrity()
+    assert all(w["checked"] for w in report["workers"])
+    assert actor.core.scheduler(worker).kv.pool.stats().num_used == 0
+    actor.core.check_integrity()
+
+
+# The step of the victim that fails: mid-stream, or the one that samples its last token
+# (the core already finished it, and the output that says so is lost with the exception);
+# `on_step` fails after the step's outputs were delivered, so its token reached the client.
+@pytest.mark.parametrize(("hook", "nth", "num_tokens"), [
+    ("finish_step", 2, 1), ("finish_step", 5, 4), ("on_step", 2, 2)])
+def test_a_controller_error_finishing_a_step_fails_its_requests_not_the_worker(
+        hook: str, nth: int, num_tokens: int) -> None:
+    async def main() -> None:
+        actor, handles = make_actor(num_workers=2)
+        client = RayControllerClient(LocalHandle(actor))
+        await collect(client, [9, 9, 9], "warm")  # the core and both loops are up
+        worker = actor.core._next_tie  # an idle cluster rotates: the victim's worker
+        slot = actor.slots[worker]
+        if hook == "finish_step":
+            actor.core.finish_step = raise_once_after(  # type: ignore[method-assign]
+                actor.core.finish_step, lambda w, plan, result: plan.num_scheduled_tokens,
+                "victim", nth)
+        else:  # the journal's step boundary, after the outputs were delivered
+            slot.on_step = raise_once_after(
+                slot.on_step, lambda result: result.sampled_token_ids, "victim", nth)
+        victim, bystander = await asyncio.gather(collect(client, [1, 2, 3], "victim"),
+                                                 collect(client, [4, 5, 6], "bystander"))
+        assert victim[0].worker == worker and bystander[0].worker != worker
+        failed = victim[1]
+        assert failed.finish_reason == FinishReason.ABORT
+        assert "controller error" in (failed.error or "") and "ControllerBug" in failed.error
+        assert len(failed.token_ids) == num_tokens  # and none after the failed step
+        assert bystander[1].finish_reason == FinishReason.LENGTH
+        assert bystander[1].error is None
+        _, after = await collect(client, [1, 2, 3], "after")  # the same loop serves on
+        assert after.finish_reason == FinishReason.LENGTH and after.error is None
+        assert len(after.token_ids) == PARAMS.max_tokens
+        await assert_worker_kept_and_clean(actor, handles[worker], worker, 1)
+        assert "victim" not in handles[worker].runner.requests  # told it was aborted
+
+    run(main())
+
+
+def test_a_controller_error_planning_a_step_resets_the_worker_without_a_restart() -> None:
+    async def main() -> None:
+        actor, handles = make_actor(num_workers=1)
+        client = RayControllerClient(LocalHandle(actor))
+        await collect(client, [9, 9, 9], "warm")
+        # The plan of the victim's second step is built (blocks allocated, diffs marked
+        # sent) and lost: the worker never sees it.
+        actor.core.begin_step = raise_once_after(  # type: ignore[method-assign]
+            actor.core.begin_step, lambda w: actor.core.scheduler(w).requests, "victim", 2)
+        results = await asyncio.gather(collect(client, [1, 2, 3], "victim"),
+                                       collect(client, [4, 5, 6, 7], "neighbour"))
+        for _, done in results:  # every request on the worker fails, with the error
+            assert done.finish_reason == FinishReason.ABORT
+            assert "controller error while planning" in (done.error or "")
+        assert handles[0].runner.requests == {}  # the worker dropped its state (reset)
+        # A new request plans from a clean slate: the fake runner checks every diff.
+        _, after = await collect(client, [1, 2, 3], "after")
+        assert after.finish_reason == FinishReason.LENGTH and after.error is None
+        assert len(after.token_ids) == PARAMS.max_tokens
+        await assert_worker_kept_and_clean(actor, handles[0], 0, 1)
 
     run(main())
