@@ -94,6 +94,11 @@ class WorkerSlot:
         self.records: deque[tuple[int, int, float, float, float]] = deque(maxlen=_MAX_RECORDS)
         # (step id, request id -> tokens) of recent non-empty steps: who advanced when.
         self.plan_log: deque[tuple[int, dict[str, int]]] = deque(maxlen=_MAX_RECORDS)
+        # Async scheduling: the step sent while the previous one ran (plan, its call,
+        # when it was planned); the worker actor runs calls one at a time, in order.
+        self._ahead: tuple[Any, Any, float] | None = None
+        self._last_received = float("-inf")
+        self.is_async = core.scheduler(index).config.async_scheduling
 
     def start(self) -> None:
         # A fresh context, so no Ray call's cancellation can reach the loop (see actor.py).
@@ -139,17 +144,23 @@ class WorkerSlot:
         return self.core.workers[self.index].flow.paused and self.core.has_work(self.index)
 
     async def _step(self, force: bool = False) -> bool:
-        if not self.core.has_work(self.index):
-            return False
-        start = time.perf_counter()
-        plan = self.core.begin_step(self.index)
-        if plan.is_empty and not plan.finished_request_ids and not force:
-            return False  # nothing can advance until a notify (flow control holds prefill)
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:  # sent while the previous step ran
+            plan, call, start = ahead
+        else:
+            if not self.core.has_work(self.index):
+                return False
+            start = time.perf_counter()
+            plan = self.core.begin_step(self.index)
+            if plan.is_empty and not plan.finished_request_ids and not force:
+                return False  # nothing can advance until a notify (flow control holds prefill)
+            call = self.handle.execute.remote(plan, self.info.incarnation)
         sent = time.perf_counter()
+        if self.is_async and self.core.can_plan_ahead(self.index):
+            self._plan_ahead()
         deadline = self._deadline_s(plan)
         try:
-            result = await asyncio.wait_for(
-                self.handle.execute.remote(plan, self.info.incarnation), deadline)
+            result = await asyncio.wait_for(call, deadline)
         except TimeoutError:
             self.num_hangs += 1
             raise WorkerHungError(f"step {plan.step_id} took over {deadline:.1f}s") from None
@@ -159,14 +170,25 @@ class WorkerSlot:
         self.on_step(result)
         if any(out.error for out in outputs):
             self.notify()  # a protection aborted a request: the worker must hear of it
-        wall = time.perf_counter() - start
+        # A step sent ahead starts when the one before it ends.
+        previous, self._last_received = self._last_received, received
+        wall = time.perf_counter() - max(start, previous)
         self.num_steps += 1
         self.wall_s += wall
         self.compute_s += result.elapsed_s
         self.plan_log.append((plan.step_id, dict(plan.num_scheduled_tokens)))
         self.records.append((len(plan.num_scheduled_tokens), plan.total_num_scheduled_tokens,
-                             wall, result.elapsed_s, received - sent))
+                             wall, result.elapsed_s, received - max(sent, previous)))
         return True
+
+    def _plan_ahead(self) -> None:
+        """Plan and send the next step while the current one runs."""
+        start = time.perf_counter()
+        plan = self.core.begin_step(self.index, is_ahead=True)
+        if plan.is_empty and not plan.finished_request_ids:
+            self.core.discard_step(self.index, plan)
+            return
+        self._ahead = (plan, self.handle.execute.remote(plan, self.info.incarnation), start)
 
     def _deadline_s(self, plan: Any) -> float:
         cfg = self.recovery
@@ -182,6 +204,7 @@ class WorkerSlot:
         clean state, and it rejoins routing once a fresh incarnation answers."""
         self.num_failures += 1
         self.up.clear()
+        self._ahead = None  # its result is lost with the worker's state
         dead_incarnation = self.info.incarnation
         moved_to, aborted = self.core.worker_failed(
             self.index, self.recovery.max_worker_failures_per_request)
