@@ -14,7 +14,7 @@
 3. Ray path against a 3 ms step: the overhead of (1) again, with a stand-in worker actor
    (benchmarks/standin_worker.py) that runs no model and answers every step after 3 ms,
    the step a 1B model should take on a GPU: the controller's and Ray's share of such a step
-   (goal: under 10 %).
+   (goal: under 10 %), stepping one step at a time and with `scheduler.async_scheduling`.
 Writes benchmarks/results/cluster.json.
 """
 
@@ -78,29 +78,40 @@ def step_overhead(handle: Any, client: Any, vocab: int, num_running: int,
 
 
 def standin_overhead(config: TokenflowConfig, decode_steps: int) -> dict[str, Any]:
-    """Section 3: a second controller (own namespace) whose worker is the 3 ms stand-in."""
+    """Section 3: a second controller (own namespace) whose worker is the 3 ms stand-in,
+    stepping one step at a time and with async scheduling (the next step planned and sent
+    while the current one runs), side by side."""
     import dataclasses
 
     import ray
 
     from benchmarks.standin_worker import STEP_S
-    from cluster.controller_client import MultiplexedControllerClient
+    from cluster.controller_client import RayControllerClient
     from controller.actor import get_or_create_controller
 
-    options = dataclasses.replace(
-        config.controller_options(), worker_cls="benchmarks.standin_worker:StandInWorkerActor",
-        namespace=f"{config.namespace}-standin", worker_num_cpus=0, telemetry=False)
-    handle = get_or_create_controller(options)
-    try:
-        client = MultiplexedControllerClient(handle)
-        vocab = ray.get(handle.model_info.remote())["vocab_size"]
-        rows = [step_overhead(handle, client, vocab, n, decode_steps)
-                for n in (16, config.max_num_seqs)]
-    finally:
-        ray.kill(handle)
-    for row in rows:
-        row["overhead_share_of_step"] = row["overhead_ms"] / row["step_wall_ms"]
-    return {"worker_step_ms": STEP_S * 1e3, "target_share": 0.10, "steps": rows}
+    base = config.controller_options()
+    modes: dict[str, Any] = {}
+    for mode, is_async in (("sync", False), ("async_scheduling", True)):
+        options = dataclasses.replace(
+            base, worker_cls="benchmarks.standin_worker:StandInWorkerActor",
+            cluster=dataclasses.replace(
+                base.cluster, namespace=f"{config.cluster.namespace}-standin-{mode}",
+                worker_num_cpus=0.01),  # it sleeps: no CPU to reserve
+            worker=dataclasses.replace(base.worker, telemetry=False),
+            scheduler=dataclasses.replace(base.scheduler, async_scheduling=is_async))
+        handle = get_or_create_controller(options)
+        try:
+            client = RayControllerClient(handle)
+            vocab = ray.get(handle.model_info.remote())["vocab_size"]
+            rows = [step_overhead(handle, client, vocab, n, decode_steps)
+                    for n in (16, config.scheduler.max_num_seqs)]
+        finally:
+            ray.kill(handle)
+        for row in rows:
+            row["overhead_share_of_step"] = row["overhead_ms"] / row["step_wall_ms"]
+        modes[mode] = rows
+    return {"worker_step_ms": STEP_S * 1e3, "target_share": 0.10, "steps": modes["sync"],
+            "steps_async_scheduling": modes["async_scheduling"]}
 
 
 def http_workload(url: str, model: str, batch: list[list[int]], max_tokens: int) -> int:

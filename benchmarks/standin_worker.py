@@ -34,7 +34,9 @@ class _State:
 class StandInWorkerActor:
     def __init__(self, model: str, num_kv_blocks: int, block_size: int, dtype: str = "float32",
                  seed: int = 0, device: str = "auto", telemetry: bool = True,
-                 peak_bandwidth_bytes_s: float | None = None) -> None:
+                 peak_bandwidth_bytes_s: float | None = None, **device_options: object
+                 ) -> None:
+        # `device_options` (attention backend, CUDA graphs): nothing runs on a device here.
         from workers.model_config import ModelConfig
         from workers.presets import resolve_model
 

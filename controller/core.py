@@ -34,7 +34,7 @@ from controller.protections import (
 )
 from controller.refit import OnlineRefit
 from controller.request import Request, RequestOutput, RequestStatus
-from controller.scheduler import Scheduler, SchedulerConfig, StepLimits
+from controller.scheduler import Scheduler, SchedulerConfig, StepLimits, StepShape
 from controller.settings import FORBID_EXTRA, check_settings, setting
 from kvcache.block_pool import BlockPool
 from kvcache.manager import KVCacheManager
@@ -121,7 +121,10 @@ class WorkerState:
     events: DoubleBufferedEventQueue[Event] = field(default_factory=DoubleBufferedEventQueue)
     event_stats: EventStats = field(default_factory=EventStats)
     step_histograms: StepHistograms = field(default_factory=StepHistograms)
-    step_started: float | None = None  # clock() at the last begin_step
+    # step id -> clock() at its begin_step; a step planned ahead starts when the one
+    # before it ends (`last_step_ended`), which is what its duration counts from.
+    step_started: dict[int, float] = field(default_factory=dict)
+    last_step_ended: float = float("-inf")
     # Outputs of requests a protection aborted outside `finish_step`; returned by the next.
     outbox: list[RequestOutput] = field(default_factory=list)
     # The calibrated step cost model (None: uncalibrated) and its online refit.
@@ -301,23 +304,45 @@ class ControllerCore:
         return out
 
     # -- stepping ---------------------------------------------------------------------
-    def begin_step(self, worker: int) -> StepPlan:
+    def begin_step(self, worker: int, is_ahead: bool = False) -> StepPlan:
         """Plan one step within the limits flow control and the protections set now.
-        Every event queued so far is handled first."""
+        Every event queued so far is handled first. `is_ahead`: the previous step of this
+        worker is still running (its result not applied yet); see `can_plan_ahead`."""
         state = self.workers[worker]
         state.outbox.extend(self._handle_events(state))
-        plan = state.scheduler.schedule(self._limits(state))
+        limits = self._limits(state)
+        if is_ahead:
+            limits = dataclasses.replace(limits, may_preempt=False)
+        plan = state.scheduler.schedule(limits)
         self._queue_evicts(state)  # preemptions inside schedule() released blocks
-        state.step_started = self.clock()
+        state.step_started[plan.step_id] = self.clock()
         if plan.total_num_scheduled_tokens:
             self._observe_plan(state, plan)
         return plan
 
+    def can_plan_ahead(self, worker: int) -> bool:
+        """Whether a step may be planned while this worker's previous one runs: requests
+        are running (their next tokens can be planned before the last ones are known) and
+        nothing is queued to be handled first (events of the running step, a protection's
+        aborts)."""
+        state = self.workers[worker]
+        return (state.is_up and bool(state.scheduler.running) and not state.outbox
+                and not state.degraded)
+
+    def discard_step(self, worker: int, plan: StepPlan) -> None:
+        """Forget a planned-ahead step that carries nothing (it is never sent)."""
+        assert plan.is_empty and not plan.finished_request_ids
+        state = self.workers[worker]
+        state.scheduler.pop_shape(plan.step_id)
+        state.step_started.pop(plan.step_id, None)
+
     @staticmethod
     def _observe_plan(state: WorkerState, plan: StepPlan) -> None:
         sched, hists = state.scheduler, state.step_histograms
+        shape = sched.last_shape
         num_prefill = sum(n for rid, n in plan.num_scheduled_tokens.items()
-                          if rid in sched.requests and sched.requests[rid].is_prefilling)
+                          if rid in shape.chunks) if shape.step_id == plan.step_id else \
+            sum(n for n in plan.num_scheduled_tokens.values() if n > 1)  # a baseline's plan
         hists.budget_tokens.observe(sched.config.max_num_batched_tokens)
         hists.prefill_tokens.observe(num_prefill)
         hists.decode_tokens.observe(plan.total_num_scheduled_tokens - num_prefill)
@@ -331,9 +356,10 @@ class ControllerCore:
         outputs = state.outbox + sched.update_from_output(plan, result)
         state.outbox = []
         now = self.clock()
-        if state.step_started is not None:
-            state.step_histograms.duration_s.observe(now - state.step_started)
-            state.step_started = None
+        started = state.step_started.pop(plan.step_id, None)
+        if started is not None:
+            state.step_histograms.duration_s.observe(now - max(started, state.last_step_ended))
+        state.last_step_ended = now
         flow.on_kv_usage(sched.kv.pool.usage, now)
         if result.bandwidth_utilization is not None:
             flow.on_bandwidth(result.bandwidth_utilization, now)
@@ -345,21 +371,22 @@ class ControllerCore:
             if out.finished:
                 self.request_to_worker.pop(out.request_id, None)
                 protections.forget(out.request_id)
-        self._price_chunks(state, plan, result)
+        self._price_chunks(state, plan, result, sched.pop_shape(plan.step_id))
         state.events.extend(result.chunk_events)
         self._queue_evicts(state)
         outputs += self._handle_events(state)
         return outputs
 
-    def _price_chunks(self, state: WorkerState, plan: StepPlan, result: StepResult) -> None:
+    def _price_chunks(self, state: WorkerState, plan: StepPlan, result: StepResult,
+                      shape: StepShape | None) -> None:
         """Charge each chunk its share of the step (by the cost model), and let the online
         refit see the step."""
         events = result.chunk_events
         if not events:
             return
         step_s = result.elapsed_s or max(e.elapsed_s for e in events)
-        shape, cost = state.scheduler.last_shape, state.step_cost
-        if cost is not None and shape.step_id == plan.step_id and shape.chunks:
+        cost = state.step_cost
+        if cost is not None and shape is not None and shape.chunks:
             predicted = cost.step_s(list(shape.chunks.values()), shape.num_decodes,
                                     shape.decode_context)
             # Decodes keep their part; the chunks split the fixed cost and add their own.
@@ -490,6 +517,7 @@ class ControllerCore:
         state.is_up = False
         state.num_failures += 1
         state.outbox = []
+        state.step_started.clear()  # its steps in flight are lost with it
         sched = state.scheduler
         detached = []
         for request_id in list(sched.requests):

@@ -42,7 +42,10 @@ class Request:
     tenant: str = "default"
     max_model_len: int | None = None  # hard cap on prompt + output tokens
     output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
+    num_computed_tokens: int = 0  # planned ones included: advanced when a step is planned
+    # Tokens that steps planned (and maybe still running) will sample, ids not known yet.
+    # Always 0 between steps when they run one at a time; up to 1 per step planned ahead.
+    num_pending_outputs: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit at first admission
     num_preemptions: int = 0
     num_worker_failures: int = 0  # workers that died or hung while it was on them
@@ -68,12 +71,27 @@ class Request:
 
     @property
     def num_tokens_to_compute(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        """Known and pending tokens that no step has computed or planned yet."""
+        return self.num_tokens + self.num_pending_outputs - self.num_computed_tokens
+
+    @property
+    def num_outputs_planned(self) -> int:
+        return self.num_output_tokens + self.num_pending_outputs
 
     @property
     def is_decoding(self) -> bool:
-        """Exactly one known token is not computed yet: the last sampled one."""
-        return self.num_output_tokens > 0 and self.num_tokens_to_compute == 1
+        """Exactly one token is not computed yet: the last sampled (or pending) one."""
+        return self.num_outputs_planned > 0 and self.num_tokens_to_compute == 1
+
+    @property
+    def is_done_when_pending_land(self) -> bool:
+        """Steps in flight will sample its last token (by length): plan nothing more."""
+        if self.num_pending_outputs == 0:
+            return False
+        if self.num_outputs_planned >= self.sampling_params.max_tokens:
+            return True
+        return self.max_model_len is not None and \
+            self.num_tokens + self.num_pending_outputs >= self.max_model_len
 
     @property
     def is_prefilling(self) -> bool:

@@ -64,6 +64,13 @@ class SchedulerConfig:
     max_concurrent_chunks: int = setting(4, ge=1, description=(
         "Prefill chunks per step in NORMAL flow mode (flow control lowers it: "
         "flow.throttle_chunks, flow.throttle_hard_chunks, 0 under cache pressure)."))
+    async_scheduling: bool = setting(False, description=(
+        "Plan a worker's next step while its current one runs (the Ray step loop; the "
+        "in-process LocalEngine steps one at a time): the controller's planning and the "
+        "actor round trip hide behind the device. Tokens sampled by the running step are "
+        "pending in the next plan (the worker feeds them), a request that finishes is "
+        "dropped a step later, and nobody is preempted while a step runs ahead. The same "
+        "tokens either way (vLLM's --async-scheduling)."))
     scheduling_policy: Literal["tokenflow", "prefill-first", "prefill-priority-chunked"] = (
         setting("tokenflow", description=(
             "tokenflow: decode-first unified budget with flow control. The others exist to "
@@ -117,6 +124,10 @@ class StepLimits:
     # cache pressure only finishing requests free blocks). False in PREFILL_PAUSED, which
     # recovers from telemetry alone.
     progress_guard: bool = True
+    # False while an earlier step still runs (planned ahead): a victim's blocks could be
+    # written by that step after they were given to someone else, so nobody is preempted;
+    # a request that finds no block waits a step.
+    may_preempt: bool = True
 
 
 @dataclass
@@ -163,6 +174,8 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.tenant_stats = TenantStats()
         self.last_shape = StepShape(-1)  # of the latest plan
+        self._shapes: dict[int, StepShape] = {}  # step id -> shape, until its result is in
+        self._may_preempt = True  # this step's StepLimits.may_preempt
 
     # -- requests ----------------------------------------------------------------
     @property
@@ -201,7 +214,7 @@ class Scheduler:
             self.kv.free(request_id)
         self._worker_known.pop(request_id, None)
         request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
+        request.num_computed_tokens = request.num_pending_outputs = 0
         return request
 
     def adopt_request(self, request: Request) -> None:
@@ -210,7 +223,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
+        request.num_computed_tokens = request.num_pending_outputs = 0
         self.requests[request.request_id] = request
         self.waiting[request.request_id] = request
 
@@ -219,6 +232,7 @@ class Scheduler:
         needs to be dropped."""
         self._worker_known.clear()
         self._finished_ids.clear()
+        self._shapes.clear()  # the steps in flight there are lost
 
     @property
     def num_waiting(self) -> int:
@@ -239,7 +253,8 @@ class Scheduler:
         plan.block_moves = self._maybe_defrag(plan.step_id)
         scheduled: dict[str, int] = {}
         num_preemptions_before = self.stats.num_preemptions
-        shape = self.last_shape = StepShape(plan.step_id)
+        shape = self.last_shape = self._shapes[plan.step_id] = StepShape(plan.step_id)
+        self._may_preempt = limits.may_preempt
 
         # 1: decodes, 1 token each, before any prefill.
         for request in [r for r in self.running if r.is_decoding]:
@@ -247,6 +262,8 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted as a victim earlier in this loop
+            if request.is_done_when_pending_land:
+                continue  # a step in flight samples its last token
             if self._allocate_or_preempt(request, 1, scheduled):
                 scheduled[request.request_id] = 1
                 budget -= 1
@@ -465,6 +482,8 @@ class Scheduler:
                              scheduled: dict[str, int]) -> bool:
         total = request.num_computed_tokens + num_new
         while self.kv.allocate_slots(request.request_id, total) is None:
+            if not self._may_preempt:
+                return False
             victim = max(self.running, key=lambda r: r.sort_key)
             self._preempt(victim, scheduled)
             if victim is request:
@@ -477,7 +496,7 @@ class Scheduler:
         scheduled.pop(request.request_id, None)
         self._release(request)
         request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
+        request.num_computed_tokens = request.num_pending_outputs = 0
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.waiting[request.request_id] = request
@@ -506,6 +525,11 @@ class Scheduler:
                     request_id, block_ids[num_sent:], request.num_computed_tokens))
             self._worker_known[request_id] = len(block_ids)
             plan.num_scheduled_tokens[request_id] = num_new
+            # Planned is as good as computed for the next plan (steps run in order on the
+            # worker); a step that computes every token so far samples one more.
+            request.num_computed_tokens += num_new
+            if request.num_tokens_to_compute == 0:
+                request.num_pending_outputs += 1
         plan.total_num_scheduled_tokens = sum(scheduled.values())
         assert plan.total_num_scheduled_tokens <= self._max_plan_tokens(plan)
 
@@ -514,24 +538,33 @@ class Scheduler:
         return self.config.max_num_batched_tokens
 
     # -- results -------------------------------------------------------------------
+    def pop_shape(self, step_id: int) -> StepShape | None:
+        """The shape of a step whose result is in (None for a baseline policy's step)."""
+        for older in [sid for sid in self._shapes if sid < step_id]:
+            del self._shapes[older]  # steps whose results were dropped (worker failure)
+        return self._shapes.pop(step_id, None)
+
     def update_from_output(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
         outputs = []
+        shape = self._shapes.get(plan.step_id)
         for request_id, num_new in plan.num_scheduled_tokens.items():
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
-            is_prefill = request.is_prefilling
-            request.num_computed_tokens += num_new
+            is_prefill = request_id in shape.chunks if shape is not None else num_new > 1
             if is_prefill:
                 self.stats.num_prefill_tokens += num_new
             else:
                 self.stats.num_decode_tokens += num_new
             sampled = result.sampled_token_ids.get(request_id, [])
-            # A sample only exists once every known token is computed.
-            assert not sampled or request.num_computed_tokens == request.num_tokens
+            # A sample only exists where the plan counted one pending.
+            assert len(sampled) <= request.num_pending_outputs
+            request.num_pending_outputs -= len(sampled)
             request.output_token_ids.extend(sampled)
+            # Computed (or planned: steps run in order, the next one writes it before
+            # anyone reads it) and known: full blocks up to there can be hashed.
             self.kv.cache_full_blocks(request_id, request.all_token_ids,
-                                      request.num_computed_tokens)
+                                      min(request.num_computed_tokens, request.num_tokens))
             finish = request.check_stop() if sampled else None
             if finish is not None:
                 self._finish(request, finish)

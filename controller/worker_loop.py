@@ -111,6 +111,11 @@ class WorkerSlot:
         self.records: deque[tuple[int, int, float, float, float]] = deque(maxlen=_MAX_RECORDS)
         # (step id, request id -> tokens) of recent non-empty steps: who advanced when.
         self.plan_log: deque[tuple[int, dict[str, int]]] = deque(maxlen=_MAX_RECORDS)
+        # Async scheduling: the step sent while the previous one ran (plan, its call,
+        # when it was planned); the worker actor runs calls one at a time, in order.
+        self._ahead: tuple[Any, Any, float] | None = None
+        self._last_received = float("-inf")
+        self.is_async = core.scheduler(index).config.async_scheduling
 
     def start(self) -> None:
         # A fresh context, so no Ray call's cancellation can reach the loop (see actor.py).
@@ -157,22 +162,33 @@ class WorkerSlot:
 
     async def _step(self, force: bool = False) -> bool:
         """One step; False when there was nothing to do. A failed worker call raises
-        WorkerCallError; an exception in the controller's own part is handled here."""
-        if not self.core.has_work(self.index):
-            return False
-        start = time.perf_counter()
+        WorkerCallError; an exception in the controller's own part is handled here. With
+        async scheduling the next step is planned and sent before this one's result is
+        awaited, and the next call takes it from `_ahead`."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:  # sent while the previous step ran
+            plan, call, start = ahead
+        else:
+            if not self.core.has_work(self.index):
+                return False
+            start = time.perf_counter()
+            try:
+                plan = self.core.begin_step(self.index)
+                if plan.is_empty and not plan.finished_request_ids and not force:
+                    return False  # nothing can advance until a notify (flow control holds)
+            except Exception as err:
+                await self._planning_failed(err)
+                return True
+            call = self._send(plan)
+        sent = time.perf_counter()
         try:
-            plan = self.core.begin_step(self.index)
-            if plan.is_empty and not plan.finished_request_ids and not force:
-                return False  # nothing can advance until a notify (flow control holds prefill)
-            sent = time.perf_counter()
+            if self.is_async and self.core.can_plan_ahead(self.index):
+                self._plan_ahead()
             deadline = self._deadline_s(plan)
         except Exception as err:
             await self._planning_failed(err)
             return True
-        result = await self._call_worker(
-            lambda: self.handle.execute.remote(plan, self.info.incarnation), deadline,
-            f"step {plan.step_id}")
+        result = await self._call_worker(lambda: call, deadline, f"step {plan.step_id}")
         received = time.perf_counter()
         outputs: list[RequestOutput] | None = None
         is_delivered = False
@@ -186,13 +202,15 @@ class WorkerSlot:
             return True
         if any(out.error for out in outputs):
             self.notify()  # a protection aborted a request: the worker must hear of it
-        wall = time.perf_counter() - start
+        # A step sent ahead starts when the one before it ends.
+        previous, self._last_received = self._last_received, received
+        wall = time.perf_counter() - max(start, previous)
         self.num_steps += 1
         self.wall_s += wall
         self.compute_s += result.elapsed_s
         self.plan_log.append((plan.step_id, dict(plan.num_scheduled_tokens)))
         self.records.append((len(plan.num_scheduled_tokens), plan.total_num_scheduled_tokens,
-                             wall, result.elapsed_s, received - sent))
+                             wall, result.elapsed_s, received - max(sent, previous)))
         return True
 
     async def _call_worker(self, call: Callable[[], Awaitable[T]], timeout_s: float,
@@ -262,6 +280,25 @@ class WorkerSlot:
         await self._call_worker(self.handle.reset.remote, self.recovery.ready_timeout_s,
                                 "reset after a controller error")
 
+    def _plan_ahead(self) -> None:
+        """Plan and send the next step while the current one runs."""
+        start = time.perf_counter()
+        plan = self.core.begin_step(self.index, is_ahead=True)
+        if plan.is_empty and not plan.finished_request_ids:
+            self.core.discard_step(self.index, plan)
+            return
+        self._ahead = (plan, self._send(plan), start)
+
+    def _send(self, plan: StepPlan) -> Awaitable[StepResult]:
+        """Submit `plan` to the worker. Ray may refuse a call at once: that is the worker's
+        failure too, raised where the call is awaited (`_call_worker`)."""
+        try:
+            return self.handle.execute.remote(plan, self.info.incarnation)
+        except Exception as err:
+            refused = asyncio.get_running_loop().create_future()
+            refused.set_exception(err)
+            return refused
+
     def _deadline_s(self, plan: Any) -> float:
         cfg = self.recovery
         sched = self.core.scheduler(self.index)
@@ -276,6 +313,7 @@ class WorkerSlot:
         clean state, and it rejoins routing once a fresh incarnation answers."""
         self.num_failures += 1
         self.up.clear()
+        self._ahead = None  # its result is lost with the worker's state
         dead_incarnation = self.info.incarnation
         moved_to, aborted = self.core.worker_failed(
             self.index, self.recovery.max_worker_failures_per_request)

@@ -1,0 +1,138 @@
+"""Async scheduling (`scheduler.async_scheduling`): a worker's next step is planned and
+sent while its current one runs, without Ray.
+
+`OrderedWorkerHandle` stands for a Ray worker actor: each `execute.remote(plan)` starts at
+once and runs after the calls sent before it (one at a time, in order), on a `FakeRunner`
+that checks every plan diff against its own per-request state (a `num_computed_tokens` the
+worker did not reach, a diff for a request it never got, a block table too small). Tokens
+are a function of the tokens so far, as greedy and seeded sampling are, so the same
+requests must give the same tokens whatever the planning. Shows: with async scheduling
+steps overlap (two calls outstanding), every request gets exactly the tokens of the
+synchronous run, including requests that end early on a stop token (unpredictable when the
+next step is planned) and under KV pressure, and no block is leaked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from cluster.controller_client import RayControllerClient, run_request
+from controller.actor import ControllerActor
+from controller.messages import FinishReason, SamplingParams, StepPlan, StepResult
+from controller.options import ControllerOptions, WorkerConfig
+from controller.scheduler import SchedulerConfig
+from tests.unit.fake_runner import FakeRunner
+from tests.unit.test_controller_actor import VOCAB, LocalHandle, make_info
+from workers.actor import WorkerInfo
+
+
+def next_token(token_ids: list[int]) -> int:
+    return (31 * sum(token_ids) + 7 * len(token_ids)) % VOCAB
+
+
+class _Method:
+    def __init__(self, fn: Any) -> None:
+        self._fn = fn
+
+    def remote(self, *args: Any) -> Any:
+        return self._fn(*args)
+
+
+class OrderedWorkerHandle:
+    def __init__(self) -> None:
+        self.runner = FakeRunner(vocab_size=VOCAB, block_size=4, sample=next_token)
+        self._last: asyncio.Task[StepResult] | None = None
+        self.num_outstanding = self.max_outstanding = 0
+        self.execute = _Method(self._execute)
+        self.held_block_ids = _Method(self._held)
+        self.info = _Method(self._info)
+        self.reset = _Method(self._reset)
+
+    def _execute(self, plan: StepPlan, incarnation: str | None = None
+                 ) -> asyncio.Task[StepResult]:
+        previous = self._last
+        self.num_outstanding += 1
+        self.max_outstanding = max(self.max_outstanding, self.num_outstanding)
+
+        async def run() -> StepResult:
+            if previous is not None:
+                await asyncio.wait({previous})  # one at a time, in the order sent
+            await asyncio.sleep(0)  # the device's time: the controller runs meanwhile
+            await asyncio.sleep(0)
+            self.num_outstanding -= 1
+            return self.runner.execute(plan)
+
+        self._last = asyncio.ensure_future(run())
+        return self._last
+
+    async def _info(self) -> WorkerInfo:
+        return make_info("fake-0")
+
+    async def _reset(self) -> int:
+        num_requests = len(self.runner.requests)
+        self.runner.requests.clear()
+        return num_requests
+
+    async def _held(self) -> set[int]:
+        return {b for blocks in self.runner.held.values() for b in blocks}
+
+
+def workload() -> list[tuple[str, list[int], SamplingParams]]:
+    """Prompts of 3-19 tokens, 4-12 outputs, every other one stopping early at the token
+    it would sample third: over the pool of 32 blocks of 4 tokens (make_info) with 8
+    running at once."""
+    out = []
+    for i in range(12):
+        prompt = [(7 * i + j) % 90 + 1 for j in range(3 + (5 * i) % 17)]
+        ids = list(prompt)
+        for _ in range(3):
+            ids.append(next_token(ids))
+        params = SamplingParams(max_tokens=4 + (3 * i) % 9, temperature=0.0, ignore_eos=True,
+                                stop_token_ids=(ids[-1],) if i % 2 else ())
+        out.append((f"r{i}", prompt, params))
+    return out
+
+
+def run_all(is_async: bool) -> tuple[dict[str, tuple[list[int], FinishReason | None]],
+                                     OrderedWorkerHandle, dict[str, Any]]:
+    handle = OrderedWorkerHandle()
+    options = ControllerOptions(
+        worker=WorkerConfig(num_workers=1),
+        scheduler=SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8,
+                                  max_chunk_tokens=8, async_scheduling=is_async))
+
+    async def main() -> tuple[dict[str, tuple[list[int], FinishReason | None]],
+                              dict[str, Any]]:
+        actor = ControllerActor(options, worker_factory=lambda opts: [handle],
+                                kill_worker=lambda h: None)
+        client = RayControllerClient(LocalHandle(actor))
+        results = await asyncio.gather(*(run_request(client, prompt, params, rid)
+                                         for rid, prompt, params in workload()))
+        report = await actor.check_integrity()
+        assert all(w["checked"] for w in report["workers"]), report
+        assert actor.core is not None
+        actor.core.check_integrity()
+        return ({ack.request_id: (done.token_ids, done.finish_reason)
+                 for ack, done in results}, await actor.stats())
+
+    got, stats = asyncio.run(asyncio.wait_for(main(), 30))
+    return got, handle, stats
+
+
+def test_async_scheduling_overlaps_steps_and_changes_no_token() -> None:
+    sync, sync_handle, _ = run_all(False)
+    assert sync_handle.max_outstanding == 1
+    assert any(reason == FinishReason.STOP for _, reason in sync.values()), \
+        "the workload must have requests that end early on the stop token"
+    overlapped, handle, stats = run_all(True)
+    assert handle.max_outstanding == 2  # planned and sent while the previous step ran
+    assert overlapped == sync
+    for rid, prompt, params in workload():
+        expected = list(prompt)
+        for _ in range(params.max_tokens):
+            expected.append(next_token(expected))
+            if expected[-1] in params.stop_token_ids:
+                break
+        assert overlapped[rid][0] == expected[len(prompt):], rid
+    assert stats["num_unfinished"] == 0
