@@ -25,6 +25,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from cluster.batch_config import BatchConfig
 from cluster.metrics import MetricsConfig
 from controller.budget import BudgetTable, LinearStepCost
 from controller.core import DegradedConfig
@@ -268,6 +269,8 @@ class TokenflowConfig(BaseSettings):
         "The request journal in Redis (on when cluster.redis_url is set)."))
     edge: EdgeConfig = Field(default_factory=EdgeConfig, description=(
         "The HTTP edge: body and nesting limits, API keys, priority bounds, text threads."))
+    batch: BatchConfig = Field(default_factory=BatchConfig, description=(
+        "Offline batch jobs: requests in flight, step budget, start-up wait, shard size."))
 
     def __init__(self, **data: Any) -> None:
         check_env()

@@ -5,7 +5,7 @@
 
 Connects with `ray.init(address="auto")` to the cluster and its named controller, then
 streams every request of the file through the same client the HTTP ingress uses (`submit`
-per request, one `subscribe` stream for all of them), with at most `batch_max_in_flight`
+per request, one `subscribe` stream for all of them), with at most `batch.max_in_flight`
 requests outstanding (the controller's queue stays bounded for online traffic). Output
 lines are written and flushed as requests finish, so an interrupted run resumes from OUT.
 A full queue (429 over HTTP) is retried after `retry_after_s`.
@@ -62,11 +62,11 @@ async def _run(server: Any, lines: Iterable[str], out: TextIO, done_ids: set[str
                progress: bool, started: float) -> dict[str, int]:
     # A controller the job just started is loading its model: wait longer than the
     # online edge would before giving up.
-    await asyncio.wait_for(server.client.model_info(), server.config.cluster.batch_ready_wait_s)
+    await asyncio.wait_for(server.client.model_info(), server.config.batch.ready_wait_s)
     frontend: Frontend = await server.frontend()
     counts = new_counts()
     counts["startup_ms"] = round(1e3 * (time.perf_counter() - started))
-    slots = asyncio.Semaphore(server.config.cluster.batch_max_in_flight)
+    slots = asyncio.Semaphore(server.config.batch.max_in_flight)
     bar = Progress(progress)
     tasks: set[asyncio.Task[None]] = set()
 

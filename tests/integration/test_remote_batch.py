@@ -64,8 +64,8 @@ def test_ray_data_parquet_shards_and_resume(cluster: Cluster, tmp_path: Path) ->
         "prompt": [f"row {i}" for i in range(num_rows)],
         "max_tokens": [3] * num_rows, "ignore_eos": [True] * num_rows,
         "temperature": [0.0] * num_rows}), tmp_path / "rows.parquet")
-    config = cluster.config.model_copy(update={"cluster": dataclasses.replace(
-        cluster.config.cluster, batch_rows_per_shard=8)})
+    config = cluster.config.model_copy(update={"batch": dataclasses.replace(
+        cluster.config.batch, rows_per_shard=8)})
     folder = str(tmp_path / "out")
 
     counts, num_retried = run_ray_data(str(tmp_path / "rows.parquet"), folder, config,
