@@ -190,8 +190,9 @@ class EdgeConfig(BaseModel):
         "priority, so that no client can jump the queue unless its key allows it."))
     max_priority: int = Field(100, description="Highest `priority` a request may ask for.")
     num_text_threads: int | None = Field(None, ge=1, description=(
-        "Threads that parse, template, tokenize and detokenize off the event loop; None: "
-        "the CPUs this process may use."))
+        "Threads that parse, template, tokenize and detokenize off the event loop (a batch "
+        "job on the cluster also reads its input on them); None: the CPUs this process may "
+        "use."))
     detokenize_in_thread_tokens: int = Field(16, ge=1, description=(
         "A delta of at least this many tokens is detokenized on the text threads (smaller "
         "ones cost less than the hand-off)."))
