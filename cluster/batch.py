@@ -77,10 +77,10 @@ def run_local(lines: Iterable[str], out: TextIO, config: TokenflowConfig,
         if jobs and not engine.has_unfinished():
             raise RuntimeError("engine went idle with unfinished batch requests")
 
-    # Streamed like the cluster runner: at most batch_max_in_flight requests in the engine
+    # Streamed like the cluster runner: at most batch.max_in_flight requests in the engine
     # (its queue is bounded, and a long input must not be held in memory).
     for custom_id, prepared in read_items(lines, frontend, done_ids, out, counts):
-        while len(jobs) >= config.cluster.batch_max_in_flight:
+        while len(jobs) >= config.batch.max_in_flight:
             step()
         try:
             request_id = engine.add_request(prepared.prompt_token_ids, prepared.params,
@@ -112,12 +112,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--num-workers", type=int, help="worker actors of a controller the job "
                     "starts (a running controller keeps its own)")
     ap.add_argument("--max-num-batched-tokens", type=int, help=(
-        "step budget (default for offline jobs: cluster.batch_max_num_batched_tokens)"))
+        "step budget (default for offline jobs: batch.max_num_batched_tokens)"))
     ap.add_argument("--max-num-seqs", type=int)
     ap.add_argument("--block-size", type=int)
     ap.add_argument("--num-kv-blocks", type=int)
-    ap.add_argument("--max-in-flight", type=int, help="cluster.batch_max_in_flight")
-    ap.add_argument("--rows-per-shard", type=int, help="cluster.batch_rows_per_shard")
+    ap.add_argument("--max-in-flight", type=int, help="batch.max_in_flight")
+    ap.add_argument("--rows-per-shard", type=int, help="batch.rows_per_shard")
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                     default=None)
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -137,26 +137,26 @@ def config_from_args(args: argparse.Namespace) -> TokenflowConfig:
         "scheduler.max_num_seqs": args.max_num_seqs, "cache.block_size": args.block_size,
         "cache.num_kv_blocks": args.num_kv_blocks,
         "cache.enable_prefix_caching": args.enable_prefix_caching,
-        "cluster.batch_max_in_flight": args.max_in_flight,
-        "cluster.batch_rows_per_shard": args.rows_per_shard,
+        "batch.max_in_flight": args.max_in_flight,
+        "batch.rows_per_shard": args.rows_per_shard,
         "calibration.auto": False if args.no_calibrate else None}))
     return offline_budget(config, args.max_num_batched_tokens is not None
                           or BUDGET_ENV in os.environ)
 
 
 def offline_budget(config: TokenflowConfig, budget_set: bool) -> TokenflowConfig:
-    """An offline job's step: cluster.batch_max_num_batched_tokens unless the budget was set
-    (flag, env, budget file), and cluster.batch_max_concurrent_chunks unless the chunk
+    """An offline job's step: batch.max_num_batched_tokens unless the budget was set
+    (flag, env, budget file), and batch.max_concurrent_chunks unless the chunk
     limit was set (env). The calibrated table recommends a budget for the ITL SLO, which no
     one waits on here, so auto calibration does not override it."""
     scheduler = config.scheduler
     if CHUNKS_ENV not in os.environ:
         scheduler = dataclasses.replace(
-            scheduler, max_concurrent_chunks=config.cluster.batch_max_concurrent_chunks)
+            scheduler, max_concurrent_chunks=config.batch.max_concurrent_chunks)
     if budget_set or config.calibration.budget_file is not None:
         return config.model_copy(update={"scheduler": scheduler})
     scheduler = dataclasses.replace(
-        scheduler, max_num_batched_tokens=config.cluster.batch_max_num_batched_tokens)
+        scheduler, max_num_batched_tokens=config.batch.max_num_batched_tokens)
     calibration = config.calibration.model_copy(update={"auto": False})
     return config.model_copy(update={"scheduler": scheduler, "calibration": calibration})
 

@@ -170,6 +170,10 @@ def write_error(out: TextIO, custom_id: str | None, err: p.ProtocolError,
                 counts: dict[str, int]) -> None:
     """An error line, counted as failed and by its status code (`failed_<code>`)."""
     write_line(out, p.batch_error_line(custom_id, err))
+    count_error(err, counts)
+
+
+def count_error(err: p.ProtocolError, counts: dict[str, int]) -> None:
     counts["failed"] += 1
     key = f"failed_{err.status_code}"
     counts[key] = counts.get(key, 0) + 1
@@ -223,27 +227,63 @@ class Progress:
 def write_answer(out: TextIO, custom_id: str, body: dict[str, Any], counts: dict[str, int],
                  progress: Progress) -> None:
     write_line(out, p.batch_output_line(custom_id, body, None, 200))
+    count_answer(body, counts, progress)
+
+
+def count_answer(body: dict[str, Any], counts: dict[str, int], progress: Progress) -> None:
     num_tokens = int((body.get("usage") or {}).get("completion_tokens", 0))
     counts["completed"] += 1
     counts["completion_tokens"] += num_tokens
     progress.finished(num_tokens)
 
 
-def read_items(lines: Iterable[str], frontend: Frontend, done_ids: set[str], out: TextIO,
-               counts: dict[str, int]) -> Iterator[tuple[str, Prepared]]:
-    """Validated (custom_id, request) pairs of the input; lines answered in a previous run
-    are skipped, malformed ones get their error line here."""
-    for line in lines:
+def take_lines(lines: Iterator[str], done_ids: set[str], max_lines: int
+               ) -> tuple[list[str], int]:
+    """(up to `max_lines` input lines still to answer, how many lines answered in a previous
+    run were passed over); fewer lines only at the end of the input. Blank lines are
+    dropped. Reads the input (blocking I/O): the remote runner calls it off its event loop,
+    never two at once (one iterator)."""
+    taken: list[str] = []
+    num_skipped = 0
+    while len(taken) < max_lines:
+        line = next(lines, None)
+        if line is None:
+            break
         if not line.strip():
             continue
         custom_id = _custom_id_of(line)
         if custom_id is not None and custom_id in done_ids:
-            counts["skipped"] += 1
+            num_skipped += 1
             continue
-        try:
-            item = p.parse_batch_line(line)
-            prepared = frontend.prepare(item.url, item.body)
-        except p.ProtocolError as err:
-            write_error(out, custom_id, err, counts)
+        taken.append(line)
+    return taken, num_skipped
+
+
+def prepare_line(line: str, frontend: Frontend
+                 ) -> tuple[str | None, Prepared | p.ProtocolError]:
+    """(custom_id, the validated request, or the error that answers the line). CPU-bound
+    (parsing, templating, tokenizing) and thread-safe: the remote runner calls it on the
+    text pool. A line too malformed to name its custom_id is answered without one."""
+    try:
+        item = p.parse_batch_line(line)
+        return item.custom_id, frontend.prepare(item.url, item.body)
+    except p.ProtocolError as err:
+        return _custom_id_of(line), err
+
+
+def read_items(lines: Iterable[str], frontend: Frontend, done_ids: set[str], out: TextIO,
+               counts: dict[str, int]) -> Iterator[tuple[str, Prepared]]:
+    """Validated (custom_id, request) pairs of the input, read one line at a time; lines
+    answered in a previous run are skipped, malformed ones get their error line here."""
+    pending = iter(lines)
+    while True:
+        taken, num_skipped = take_lines(pending, done_ids, 1)
+        counts["skipped"] += num_skipped
+        if not taken:
+            return
+        custom_id, result = prepare_line(taken[0], frontend)
+        if isinstance(result, p.ProtocolError):
+            write_error(out, custom_id, result, counts)
             continue
-        yield item.custom_id, prepared
+        assert custom_id is not None  # a line that parsed names its custom_id
+        yield custom_id, result

@@ -25,6 +25,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from cluster.batch_config import BatchConfig
 from cluster.metrics import MetricsConfig
 from controller.budget import BudgetTable, LinearStepCost
 from controller.core import DegradedConfig
@@ -194,8 +195,9 @@ class EdgeConfig(BaseModel):
         "priority, so that no client can jump the queue unless its key allows it."))
     max_priority: int = Field(100, description="Highest `priority` a request may ask for.")
     num_text_threads: int | None = Field(None, ge=1, description=(
-        "Threads that parse, template, tokenize and detokenize off the event loop; None: "
-        "the CPUs this process may use."))
+        "Threads that parse, template, tokenize and detokenize off the event loop (a batch "
+        "job on the cluster also reads its input on them); None: the CPUs this process may "
+        "use."))
     detokenize_in_thread_tokens: int = Field(16, ge=1, description=(
         "A delta of at least this many tokens is detokenized on the text threads (smaller "
         "ones cost less than the hand-off)."))
@@ -273,6 +275,8 @@ class TokenflowConfig(BaseSettings):
         "The request journal in Redis (on when cluster.redis_url is set)."))
     edge: EdgeConfig = Field(default_factory=EdgeConfig, description=(
         "The HTTP edge: body and nesting limits, API keys, priority bounds, text threads."))
+    batch: BatchConfig = Field(default_factory=BatchConfig, description=(
+        "Offline batch jobs: requests in flight, step budget, start-up wait, shard size."))
 
     def __init__(self, **data: Any) -> None:
         check_env()

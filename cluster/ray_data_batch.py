@@ -3,8 +3,8 @@
 The input (JSONL in OpenAI's Batch format, or Parquet with a prompt/messages column; a file
 or a folder, on any filesystem) is streamed block by block with Ray Data in file order, each
 row goes through the running controller as in `remote_batch` (at most
-`cluster.batch_max_in_flight` outstanding), and answers are appended to shard files of
-`cluster.batch_rows_per_shard` lines in the output folder. `manifest.json` lists the closed
+`batch.max_in_flight` outstanding), and answers are appended to shard files of
+`batch.rows_per_shard` lines in the output folder. `manifest.json` lists the closed
 shards; a resubmitted job reads the shards already there (dropping retryable failures, as
 for one JSONL output), skips what they answer and writes new shards after them.
 """
@@ -130,7 +130,7 @@ def run_ray_data(location: str, folder: str, config: TokenflowConfig,
 
     controller = connect_controller(config)  # also joins the Ray cluster Ray Data runs on
     done, num_retry, shard_to_num_lines, next_index = resume_shards(folder)
-    out = ShardWriter(folder, next_index, config.cluster.batch_rows_per_shard,
+    out = ShardWriter(folder, next_index, config.batch.rows_per_shard,
                       shard_to_num_lines)
     try:
         counts = run_remote(dataset_lines(location), out, config, done,  # type: ignore[arg-type]

@@ -5,7 +5,7 @@
 
 Connects with `ray.init(address="auto")` to the cluster and its named controller, then
 streams every request of the file through the same client the HTTP ingress uses (`submit`
-per request, one `subscribe` stream for all of them), with at most `batch_max_in_flight`
+per request, one `subscribe` stream for all of them), with at most `batch.max_in_flight`
 requests outstanding (the controller's queue stays bounded for online traffic). Output
 lines are written and flushed as requests finish, so an interrupted run resumes from OUT.
 A full queue (429 over HTTP) is retried after `retry_after_s`.
@@ -16,11 +16,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TextIO
 
 from cluster import protocol as p
-from cluster.batch_io import Progress, new_counts, read_items, write_answer, write_error
+from cluster.batch_io import (
+    Progress,
+    count_answer,
+    count_error,
+    new_counts,
+    prepare_line,
+    take_lines,
+    write_line,
+)
 from cluster.config import TokenflowConfig
 from cluster.frontend import Frontend, Prepared
 from controller.core import NoWorkerUpError, QueueFullError
@@ -55,44 +64,83 @@ def run_remote(lines: Iterable[str], out: TextIO, config: TokenflowConfig,
     if controller is None:
         controller = connect_controller(config)
     server = OpenAIServer(config, RayControllerClient(controller))
-    return asyncio.run(_run(server, lines, out, done_ids, progress, started))
+    try:
+        return asyncio.run(_run(server, iter(lines), out, done_ids, progress, started))
+    finally:
+        server.executor.shutdown(wait=False, cancel_futures=True)
 
 
-async def _run(server: Any, lines: Iterable[str], out: TextIO, done_ids: set[str],
+async def _run(server: Any, lines: Iterator[str], out: TextIO, done_ids: set[str],
                progress: bool, started: float) -> dict[str, int]:
+    """The event loop here also dispatches the controller's delta stream to every request
+    in flight: reading the input, preparing requests and writing answers run on threads."""
     # A controller the job just started is loading its model: wait longer than the
     # online edge would before giving up.
-    await asyncio.wait_for(server.client.model_info(), server.config.cluster.batch_ready_wait_s)
+    await asyncio.wait_for(server.client.model_info(), server.config.batch.ready_wait_s)
     frontend: Frontend = await server.frontend()
     counts = new_counts()
     counts["startup_ms"] = round(1e3 * (time.perf_counter() - started))
-    slots = asyncio.Semaphore(server.config.cluster.batch_max_in_flight)
+    max_in_flight = server.config.batch.max_in_flight
+    slots = asyncio.Semaphore(max_in_flight)
     bar = Progress(progress)
     tasks: set[asyncio.Task[None]] = set()
+    # `out` is written on one thread of its own: a line is a small append to a local file,
+    # but a shard on an object store uploads a part, or the whole shard and the manifest, on
+    # a flush. One thread keeps the lines whole and in the order the loop hands them over;
+    # `counts` and the bar are touched on the loop only.
+    writer = ThreadPoolExecutor(1, thread_name_prefix="tokenflow-batch-out")
+    loop = asyncio.get_running_loop()
+
+    async def write(record: dict[str, Any]) -> None:
+        await loop.run_in_executor(writer, write_line, out, record)
+
+    async def fail(custom_id: str | None, err: p.ProtocolError) -> None:
+        await write(p.batch_error_line(custom_id, err))
+        count_error(err, counts)
 
     async def run_one(custom_id: str, prepared: Prepared) -> None:
         try:
             body = await _generate(server, frontend, prepared)
         except p.ProtocolError as err:
-            write_error(out, custom_id, err, counts)
+            await fail(custom_id, err)
             bar.finished(0)
         except Exception as err:  # e.g. the controller restarting: retryable on resume
             logger.warning("batch line %s failed: %s: %s", custom_id, type(err).__name__, err)
-            write_error(out, custom_id, p.ProtocolError(503, f"{type(err).__name__}: {err}"),
-                        counts)
+            await fail(custom_id, p.ProtocolError(503, f"{type(err).__name__}: {err}"))
             bar.finished(0)
         else:
-            write_answer(out, custom_id, body, counts, bar)
+            await write(p.batch_output_line(custom_id, body, None, 200))
+            count_answer(body, counts, bar)
         finally:
             slots.release()
 
-    for custom_id, prepared in read_items(lines, frontend, done_ids, out, counts):
-        await slots.acquire()  # bounded in flight: reading the input waits for capacity
-        bar.add_total(1)
-        task = asyncio.create_task(run_one(custom_id, prepared))
-        tasks.add(task)  # finished tasks leave the set: memory stays bounded too
-        task.add_done_callback(tasks.discard)
-    await asyncio.gather(*tasks)
+    try:
+        while True:
+            # As many lines as slots are free (one ahead while all are busy): lines read
+            # and not answered stay under max_in_flight + 1, however long the input.
+            max_lines = max(1, max_in_flight - len(tasks))
+            # Reading blocks (a file, Ray Data's blocks) and preparing is CPU-bound
+            # (parsing, templating, tokenizing): both run on the server's text pool.
+            taken, num_skipped = await server.in_pool(take_lines, lines, done_ids, max_lines)
+            counts["skipped"] += num_skipped
+            # Prepared in parallel, handled in input order: error lines keep their order.
+            results = await asyncio.gather(*(server.in_pool(prepare_line, line, frontend)
+                                             for line in taken))
+            for custom_id, result in results:
+                if isinstance(result, p.ProtocolError):
+                    await fail(custom_id, result)
+                    continue
+                assert custom_id is not None  # a line that parsed names its custom_id
+                await slots.acquire()  # bounded in flight: the next read waits for capacity
+                bar.add_total(1)
+                task = asyncio.create_task(run_one(custom_id, result))
+                tasks.add(task)  # finished tasks leave the set: memory stays bounded too
+                task.add_done_callback(tasks.discard)
+            if len(taken) < max_lines:  # the end of the input
+                break
+        await asyncio.gather(*tasks)
+    finally:
+        writer.shutdown(wait=True)  # every answer handed over is in `out`
     bar.close()
     return counts
 

@@ -131,24 +131,6 @@ class ClusterConfig:
     give_up_after_s: float = setting(300.0, gt=0, description=(
         "`make serve` exits non-zero when the service has not been healthy for this long, "
         "so that a supervisor restarts it."))
-    batch_max_in_flight: int = setting(256, ge=1, description=(
-        "Requests a batch job on the cluster keeps outstanding at once (`ray job submit`)."))
-    batch_max_num_batched_tokens: int = setting(8192, ge=1, description=(
-        "Step budget of an offline batch job (local, or on a controller the job starts) "
-        "unless scheduler.max_num_batched_tokens or a budget file is set: no one waits on "
-        "a token, so a step as large as vLLM's offline default amortizes weight reads "
-        "instead of meeting an ITL SLO."))
-    batch_max_concurrent_chunks: int = setting(256, ge=1, description=(
-        "Prefill chunks per step of an offline batch job (local, or on a controller the "
-        "job starts) unless scheduler.max_concurrent_chunks is set: every short prompt is "
-        "a chunk, and the interactive limit would admit a batch of short prompts a few "
-        "per step while the step budget sits unused."))
-    batch_ready_wait_s: float = setting(600.0, gt=0, description=(
-        "How long a batch job waits for the controller's workers to come up (a job that "
-        "starts its own controller loads the model first)."))
-    batch_rows_per_shard: int = setting(10_000, ge=1, description=(
-        "Output lines per shard file of `--ray-data` (a shard is closed and listed in the "
-        "manifest when full)."))
 
     def __post_init__(self) -> None:
         check_settings(self)

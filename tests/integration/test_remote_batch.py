@@ -6,8 +6,14 @@ import dataclasses
 import io
 import json
 import re
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
+from cluster.batch_config import BatchConfig
+from cluster.frontend import Frontend, Prepared
 from cluster.remote_batch import run_remote
 from tests.integration.conftest import Cluster
 
@@ -39,6 +45,62 @@ def test_remote_batch_answers_every_line(cluster: Cluster) -> None:
     assert None in records  # the unparseable line is answered without a custom_id
 
 
+class LineSink(io.StringIO):
+    """An output that counts its lines and the threads that wrote them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_lines = 0
+        self.thread_names: set[str] = set()
+
+    def write(self, text: str) -> int:
+        self.thread_names.add(threading.current_thread().name)
+        num_chars = super().write(text)
+        self.num_lines += text.count("\n")
+        return num_chars
+
+
+def test_remote_batch_reads_prepares_and_writes_off_the_loop(
+        cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loop that dispatches the controller's deltas neither reads the input, tokenizes
+    nor writes: reads and preparation run on the text pool, writes on their own thread.
+    Lines are still read only as requests finish (at most max_in_flight + 1 unanswered),
+    and error lines keep their input order."""
+    max_in_flight, num_lines, bad = 2, 10, {1, 6}
+    config = cluster.config.model_copy(update={"batch": BatchConfig(max_in_flight=max_in_flight)})
+    out = LineSink()
+    reads: list[tuple[str, int]] = []  # (thread, lines read and not answered yet)
+
+    def lines() -> Iterator[str]:
+        for i in range(num_lines):
+            reads.append((threading.current_thread().name, i + 1 - out.num_lines))
+            yield batch_line(f"bad-{i}" if i in bad else f"ok-{i}", {
+                "model": "builtin:tiny", "prompt": f"line {i}", "ignore_eos": True,
+                "max_tokens": -1 if i in bad else 3})
+
+    prepare_threads: list[str] = []
+    real_prepare = Frontend.prepare
+
+    def prepare(self: Frontend, url: str, body: dict | bytes | str) -> Prepared:
+        prepare_threads.append(threading.current_thread().name)
+        return real_prepare(self, url, body)
+
+    monkeypatch.setattr(Frontend, "prepare", prepare)
+    counts = run_remote(lines(), out, config, set(), progress=False)
+    assert counts["completed"] == num_lines - len(bad) and counts["failed_400"] == len(bad)
+    assert len(reads) == num_lines and len(prepare_threads) == num_lines
+    assert all(name.startswith("tokenflow-text") for name, _ in reads), reads
+    assert all(name.startswith("tokenflow-text") for name in prepare_threads), prepare_threads
+    assert out.thread_names and all(name.startswith("tokenflow-batch-out")
+                                    for name in out.thread_names), out.thread_names
+    assert max(num_unanswered for _, num_unanswered in reads) <= max_in_flight + 1, reads
+    records = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert [r["custom_id"] for r in records if r["error"] is not None] == \
+        [f"bad-{i}" for i in sorted(bad)]
+    assert sorted(r["custom_id"] for r in records if r["error"] is None) == \
+        sorted(f"ok-{i}" for i in range(num_lines) if i not in bad)
+
+
 def test_batch_requests_show_in_metrics(cluster: Cluster) -> None:
     """Batch requests are counted by the controller like online ones, tenant `batch`."""
     import httpx
@@ -64,8 +126,8 @@ def test_ray_data_parquet_shards_and_resume(cluster: Cluster, tmp_path: Path) ->
         "prompt": [f"row {i}" for i in range(num_rows)],
         "max_tokens": [3] * num_rows, "ignore_eos": [True] * num_rows,
         "temperature": [0.0] * num_rows}), tmp_path / "rows.parquet")
-    config = cluster.config.model_copy(update={"cluster": dataclasses.replace(
-        cluster.config.cluster, batch_rows_per_shard=8)})
+    config = cluster.config.model_copy(update={"batch": dataclasses.replace(
+        cluster.config.batch, rows_per_shard=8)})
     folder = str(tmp_path / "out")
 
     counts, num_retried = run_ray_data(str(tmp_path / "rows.parquet"), folder, config,

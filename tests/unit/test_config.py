@@ -12,10 +12,11 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
+from cluster.batch_config import BatchConfig
 from cluster.config import TokenflowConfig, check_env, nest
 from cluster.ingress import build_app
 from controller.flow import FlowConfig
-from controller.options import WorkerConfig
+from controller.options import ClusterConfig, WorkerConfig
 from controller.scheduler import SchedulerConfig
 
 SERVE_YAML = Path(__file__).resolve().parents[2] / "deploy" / "serve.yaml"
@@ -29,7 +30,9 @@ def serve_args() -> dict[str, Any]:
     (lambda a: a["scheduler"].update(max_num_batched_tokns=4096), "max_num_batched_tokns"),
     (lambda a: a.update(schedular={"max_num_seqs": 8}), "schedular"),
     (lambda a: a.update(max_num_seqs=8), "max_num_seqs"),  # the old flat name
-], ids=["field", "section", "flat"])
+    # Batch settings moved to their own section: the old name is refused, not ignored.
+    (lambda a: a["cluster"].update(batch_max_in_flight=64), r"cluster\.batch_max_in_flight"),
+], ids=["field", "section", "flat", "old-batch-name"])
 def test_misspelled_serve_arg_fails_at_start_naming_it(edit: Any, name: str) -> None:
     args = copy.deepcopy(serve_args())
     build_app(copy.deepcopy(args))  # the shipped file is accepted
@@ -109,13 +112,56 @@ def test_every_setting_is_documented() -> None:
     sections = schema["$defs"]
     assert set(schema["properties"]) == {"worker", "cache", "scheduler", "flow", "protections",
                                          "degraded", "calibration", "cluster", "recovery",
-                                         "metrics", "journal", "edge"}
+                                         "metrics", "journal", "edge", "batch"}
     for name, section in sections.items():
         for field, spec in section["properties"].items():
             assert spec.get("description"), f"{name}.{field} has no description"
     # One name per setting: each component's config is the section itself.
     assert {f.name for f in dataclasses.fields(FlowConfig)} == \
         set(sections["FlowConfig"]["properties"])
+
+
+def test_batch_settings_are_their_own_section(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TOKENFLOW_BATCH__MAX_IN_FLIGHT", "7")
+    config = TokenflowConfig(batch={"rows_per_shard": 5})
+    assert config.batch == BatchConfig(max_in_flight=7, rows_per_shard=5)
+    assert not [f.name for f in dataclasses.fields(ClusterConfig) if "batch" in f.name]
+    with pytest.raises(ValidationError, match=r"batch\.ready_wait_s"):
+        TokenflowConfig(batch={"ready_wait_s": 0})
+
+
+@pytest.mark.parametrize("name", ["TOKENFLOW_CLUSTER__BATCH_MAX_IN_FLIGHT",
+                                  "TOKENFLOW_BATCH__BATCH_MAX_IN_FLIGHT"])
+def test_old_batch_names_are_refused_naming_them(monkeypatch: pytest.MonkeyPatch,
+                                                 name: str) -> None:
+    with pytest.raises(ValidationError, match=r"cluster\.batch_max_in_flight"):
+        TokenflowConfig(cluster={"batch_max_in_flight": 64})
+    monkeypatch.setenv(name, "64")
+    with pytest.raises(ValueError, match=name):
+        TokenflowConfig()
+
+
+def test_batch_cli_sets_the_batch_section_and_the_offline_step(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from cluster.batch import BUDGET_ENV, CHUNKS_ENV, config_from_args, parse_args
+
+    monkeypatch.delenv(BUDGET_ENV, raising=False)
+    monkeypatch.delenv(CHUNKS_ENV, raising=False)
+    monkeypatch.setenv("TOKENFLOW_BATCH__MAX_NUM_BATCHED_TOKENS", "4096")
+    monkeypatch.setenv("TOKENFLOW_BATCH__MAX_CONCURRENT_CHUNKS", "64")
+    args = ["-i", "in.jsonl", "-o", "out.jsonl"]
+    config = config_from_args(parse_args([*args, "--max-in-flight", "3",
+                                          "--rows-per-shard", "9"]))
+    assert (config.batch.max_in_flight, config.batch.rows_per_shard) == (3, 9)
+    # The offline step comes from the batch section unless the scheduler's is set.
+    assert config.scheduler.max_num_batched_tokens == 4096
+    assert config.scheduler.max_concurrent_chunks == 64
+    assert not config.calibration.auto
+    monkeypatch.setenv(BUDGET_ENV, "1024")
+    monkeypatch.setenv(CHUNKS_ENV, "8")
+    config = config_from_args(parse_args(args))
+    assert config.scheduler.max_num_batched_tokens == 1024
+    assert config.scheduler.max_concurrent_chunks == 8
 
 
 def test_cli_options_nest() -> None:
