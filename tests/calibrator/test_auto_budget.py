@@ -17,6 +17,7 @@ import torch
 from cluster.budget_file import load_budget_table
 from cluster.config import TokenflowConfig
 from cluster.engine import LocalEngine
+from cluster.serve import describe_budget
 from controller.budget import QUICK_RUN, AutoBudgetResult, BudgetFit
 from controller.messages import SamplingParams
 from controller.options import budgeted_scheduler
@@ -228,6 +229,8 @@ def test_controller_asks_worker_0_before_it_schedules(table_path: Path) -> None:
         assert asked == [request]
         budget = info["budget"]
         assert budget["source"] == "measured" and budget["pid"] == 4242
+        line = describe_budget(budget)  # what `make serve` prints
+        assert "measured on worker 0" in line and "/cache/t.json" in line
         expected = budgeted_scheduler(fixed, table, request.fit, actor.options.cache)
         assert budget["max_num_batched_tokens"] == expected.max_num_batched_tokens
         for w in range(2):
@@ -253,6 +256,7 @@ def test_controller_serves_with_fixed_budgets_when_the_table_fails() -> None:
         info = await actor.model_info()
         assert info["budget"]["source"] == "fixed"
         assert "no space left" in info["budget"]["error"]
+        assert "fixed" in describe_budget(info["budget"])
         assert actor.core.scheduler(0).config.max_num_batched_tokens == 64
         assert actor.core.scheduler(0).step_cost is None
         assert (await actor.ping())["ok"]
