@@ -20,7 +20,7 @@ Defaults come from `TokenflowConfig` (so `TOKENFLOW_CALIBRATION__*` env variable
 from __future__ import annotations
 
 import argparse
-import math
+import dataclasses
 import statistics
 import sys
 from pathlib import Path
@@ -28,12 +28,7 @@ from typing import Any
 
 from cluster.budget_file import load_budget_table, validate_budget
 from cluster.config import TokenflowConfig
-from controller.budget import BudgetTable
-
-# `--quick` (CPU smoke runs, `make`-free checks): one warm-up run and three kept runs instead
-# of the seed's 5 + 20, chunks up to 512 tokens, two depths, two decode batches.
-QUICK = {"warmup": 1, "iters": 3, "max_tokens": 512, "contexts": (0, 256),
-         "decode_batches": (1, 8)}
+from controller.budget import QUICK_RUN, BudgetTable
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -51,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--tolerance", type=float,
                      help="drift allowed by --check (default: calibration.check_tolerance)")
     cal.add_argument("--itl-slo-ms", type=float, help="SLO of the stored recommendation")
-    cal.add_argument("--quick", action="store_true", help=f"small CPU run: {QUICK}")
+    cal.add_argument("--quick", action="store_true", help=(
+        f"the short run the automatic calibration at start makes too: {QUICK_RUN}"))
     cal.add_argument("--warmup", type=int, help="runs discarded per point")
     cal.add_argument("--iters", type=int, help="runs averaged per point")
     cal.add_argument("--max-tokens", type=int, help="largest prefill chunk measured")
@@ -72,49 +68,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _pick(value: Any, quick_key: str, quick: bool, default: Any) -> Any:
-    if value is not None:
-        return value
-    return QUICK[quick_key] if quick else default
-
-
 def make_spec(args: argparse.Namespace, cfg: TokenflowConfig) -> Any:
     cal = cfg.calibration
-    from workers.calibrate import CalibrationSpec, tile_grid  # torch only when measuring
+    from workers.calibrate import CalibrationSpec  # torch only when measuring
 
-    unit = math.lcm(cfg.cache.block_size, cal.tile_tokens)  # the chunk grid
-    max_tokens = _pick(args.max_tokens, "max_tokens", args.quick, cal.max_tokens)
-    return CalibrationSpec(
-        model=args.model or cfg.worker.model, dtype=cfg.worker.dtype,
-        device=cfg.worker.device,
-        block_size=cfg.cache.block_size, tile_tokens=cal.tile_tokens,
-        warmup=_pick(args.warmup, "warmup", args.quick, cal.warmup),
-        iters=_pick(args.iters, "iters", args.quick, cal.iters),
+    grid = cfg.calibration_grid()
+    grid = grid.quick() if args.quick else grid
+    overrides = {name: getattr(args, name) for name in (
+        "warmup", "iters", "max_tokens", "contexts", "decode_batches", "matmul_size",
+        "bandwidth_bytes")}
+    grid = dataclasses.replace(grid, **{k: v for k, v in overrides.items() if v is not None})
+    return CalibrationSpec.of(
+        grid, model=args.model or cfg.worker.model, dtype=cfg.worker.dtype,
+        device=cfg.worker.device, block_size=cfg.cache.block_size,
+        tile_tokens=cal.tile_tokens,
         # Default: the threads a Ray worker actor runs with, where the table is used (Ray sets
         # OMP_NUM_THREADS to floor(num_cpus), at least 1; two threads on two busy cores make
         # every step wait for the slower one and the table noisy).
-        threads=args.threads or max(math.floor(cfg.cluster.worker_num_cpus), 1),
-        prefill_tokens=tile_grid(unit, max_tokens),
-        contexts=_pick(args.contexts, "contexts", args.quick, cal.contexts),
-        decode_batches=_pick(args.decode_batches, "decode_batches", args.quick,
-                             cal.decode_batches),
-        decode_contexts=cal.decode_contexts,
-        matmul_size=args.matmul_size or cal.matmul_size,
-        bandwidth_bytes=args.bandwidth_bytes or cal.bandwidth_bytes,
-        memory_fraction=cal.memory_fraction)
+        threads=args.threads or max(int(cfg.cluster.worker_num_cpus), 1))
 
 
 def measure(spec: Any, cfg: TokenflowConfig, itl_slo_ms: float, progress: bool) -> BudgetTable:
-    cal = cfg.calibration
     from workers.calibrate import Calibrator
 
-    measured = Calibrator(spec, progress=progress).run(weight_bits=cal.weight_bits)
-    return BudgetTable.build(measured, itl_slo_ms=itl_slo_ms,
-                             bandwidth_headroom=cal.bandwidth_headroom,
-                             chunk_efficiency=cal.chunk_efficiency,
-                             plan_context_tokens=cal.plan_context_tokens,
-                             plan_decodes=cal.plan_decodes,
-                             plan_decode_context_tokens=cal.plan_decode_context_tokens)
+    measured = Calibrator(spec, progress=progress).run()
+    return BudgetTable.fitted(measured, dataclasses.replace(cfg.budget_fit(),
+                                                            itl_slo_ms=itl_slo_ms))
 
 
 def _symmetric(new: float, old: float) -> float:

@@ -16,7 +16,6 @@ an error naming the key: in keyword arguments (serve.yaml `args`), in nested sec
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import typing
 from pathlib import Path
@@ -27,11 +26,17 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from cluster.batch_config import BatchConfig
 from cluster.metrics import MetricsConfig
-from controller.budget import BudgetTable, LinearStepCost
+from controller.budget import AutoBudget, BudgetFit, BudgetTable, CalibrationGrid, LinearStepCost
 from controller.core import DegradedConfig
 from controller.flow import FlowConfig
 from controller.journal import JournalConfig
-from controller.options import CacheConfig, ClusterConfig, ControllerOptions, WorkerConfig
+from controller.options import (
+    CacheConfig,
+    ClusterConfig,
+    ControllerOptions,
+    WorkerConfig,
+    budgeted_scheduler,
+)
 from controller.protections import CostModel, ProtectionConfig, per_token_cost_model
 from controller.scheduler import SchedulerConfig
 from controller.worker_loop import RecoveryConfig
@@ -60,13 +65,14 @@ class CalibrationConfig(BaseModel):
         "scheduler.max_num_batched_tokens comes from its recommendation for itl_slo_ms "
         "(the table wins) and its cost model sizes each chunk under the SLO."))
     auto: bool = Field(True, description=(
-        "Without budget_file: load the budget table of (model, device, dtype, block size, "
-        "tile) from cache_dir, or run a short calibration (under 30 s for builtin:tiny on "
-        "CPU) and cache it. False (`--no-calibrate`): the fixed scheduler budget and the "
-        "per-token cost model."))
+        "Without budget_file: before serving, worker 0 (the in-process worker of a local "
+        "engine) loads the budget table of its model, device, dtype, threads, block size "
+        "and tile from cache_dir, or measures it on its own device with the `calibrate "
+        "--quick` grid (under 30 s for builtin:tiny on CPU) and caches it. False "
+        "(`--no-calibrate`): the fixed scheduler budget and the per-token cost model."))
     cache_dir: Path | None = Field(None, description=(
-        "Folder of the cached budget tables; None: $TOKENFLOW_CACHE_DIR/budgets "
-        "(~/.cache/tokenflow/budgets)."))
+        "Folder of the cached budget tables, on the worker's machine; None: "
+        "$TOKENFLOW_CACHE_DIR/budgets (~/.cache/tokenflow/budgets) of the worker's process."))
     itl_slo_ms: float = Field(100.0, gt=0, description=(
         "Inter-token-latency SLO (ms) the budget is planned for: no step predicted longer."))
     weight_bits: int | None = Field(None, ge=1, le=32, description=(
@@ -283,38 +289,50 @@ class TokenflowConfig(BaseSettings):
         super().__init__(**data)
 
     def budget_table(self) -> BudgetTable | None:
-        """The budget file's table; else, with calibration.auto, the cached (or freshly
-        measured) one of this model, device and dtype; else None (fixed budgets)."""
+        """The budget file's table, or None. The automatic table is not made here (this
+        process may be a driver or an ingress on another device): see `auto_budget`."""
         cal = self.calibration
-        if cal.budget_file is not None:
-            from cluster.budget_file import load_budget_table
-
-            return load_budget_table(cal.budget_file)
-        if not cal.auto:
+        if cal.budget_file is None:
             return None
-        from cluster.auto_budget import load_or_calibrate
+        from cluster.budget_file import load_budget_table
 
-        return load_or_calibrate(
-            self.worker.model, self.worker.device, self.worker.dtype, self.cache.block_size,
-            cal.tile_tokens, cache_dir=cal.cache_dir,
-            threads=max(math.floor(self.cluster.worker_num_cpus), 1),
+        return load_budget_table(cal.budget_file)
+
+    def calibration_grid(self) -> CalibrationGrid:
+        """What `tokenflow calibrate` measures by default (`.quick()`: `--quick`)."""
+        cal = self.calibration
+        return CalibrationGrid(
+            warmup=cal.warmup, iters=cal.iters, max_tokens=cal.max_tokens,
+            contexts=cal.contexts, decode_batches=cal.decode_batches,
+            decode_contexts=cal.decode_contexts, matmul_size=cal.matmul_size,
+            bandwidth_bytes=cal.bandwidth_bytes, memory_fraction=cal.memory_fraction)
+
+    def budget_fit(self) -> BudgetFit:
+        cal = self.calibration
+        return BudgetFit(
             itl_slo_ms=cal.itl_slo_ms, bandwidth_headroom=cal.bandwidth_headroom,
-            chunk_efficiency=cal.chunk_efficiency, decode_contexts=cal.decode_contexts,
-            memory_fraction=cal.memory_fraction)
+            chunk_efficiency=cal.chunk_efficiency, plan_context_tokens=cal.plan_context_tokens,
+            plan_decodes=cal.plan_decodes,
+            plan_decode_context_tokens=cal.plan_decode_context_tokens,
+            weight_bits=cal.weight_bits)
+
+    def auto_budget(self) -> AutoBudget | None:
+        """The short calibration worker 0 loads or runs at start (calibration.auto without
+        a budget file), or None."""
+        cal = self.calibration
+        if cal.budget_file is not None or not cal.auto:
+            return None
+        return AutoBudget(grid=self.calibration_grid().quick(), tile_tokens=cal.tile_tokens,
+                          fit=self.budget_fit(),
+                          cache_dir=None if cal.cache_dir is None else str(cal.cache_dir))
 
     def scheduler_config(self, table: BudgetTable | None = None) -> SchedulerConfig:
         """A copy of `scheduler` (the comparison policies mutate theirs) with the budget
         table's recommendation applied (the table wins); chunks are then sized per step
         by its cost model, not by one fixed size."""
-        cal = self.calibration
         if table is None:
             return dataclasses.replace(self.scheduler)
-        context = 0 if cal.plan_context_tokens is None else cal.plan_context_tokens
-        budget, _ = table.recommend(
-            cal.itl_slo_ms, block_size=self.cache.block_size,
-            kv_capacity_tokens=self.cache.num_kv_blocks * self.cache.block_size,
-            context=context, decodes=cal.plan_decodes)
-        return dataclasses.replace(self.scheduler, max_num_batched_tokens=budget)
+        return budgeted_scheduler(self.scheduler, table, self.budget_fit(), self.cache)
 
     def cost_model(self, table: BudgetTable | None = None) -> CostModel:
         """predict(tokens, context) -> s: the budget table's fitted model when there is one
@@ -331,14 +349,17 @@ class TokenflowConfig(BaseSettings):
         return table.step_cost(), self.calibration.itl_slo_ms / 1e3
 
     def controller_options(self) -> ControllerOptions:
-        """What the controller actor takes (it does not import this module)."""
-        table = self.budget_table()
-        step_cost, itl_slo_s = self.step_cost(table)
-        return ControllerOptions(
-            worker=self.worker, cache=self.cache, scheduler=self.scheduler_config(table),
+        """What the controller actor takes (it does not import this module). Measures
+        nothing: with calibration.auto, the controller has worker 0 load or measure the
+        table on the worker's own device before it builds its schedulers."""
+        options = ControllerOptions(
+            worker=self.worker, cache=self.cache, scheduler=self.scheduler_config(),
             flow=self.flow, protections=self.protections, degraded=self.degraded,
             cluster=self.cluster, recovery=self.recovery, journal=self.journal,
-            cost_model=self.cost_model(table), step_cost=step_cost, itl_slo_s=itl_slo_s)
+            cost_model=self.cost_model(), auto_budget=self.auto_budget())
+        table = self.budget_table()
+        return options if table is None else options.with_budget_table(table,
+                                                                       self.budget_fit())
 
 
 def nest(dotted: dict[str, Any]) -> dict[str, dict[str, Any]]:

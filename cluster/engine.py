@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from controller.budget import BudgetTable
 from controller.core import ControllerCore, PoolSpec
 from controller.messages import SamplingParams, StepPlan, StepResult
 from controller.policies import make_scheduler_class
@@ -51,6 +52,14 @@ class LocalEngine:
             self.worker.telemetry = make_source(str(self.worker.device),
                                                 wcfg.peak_bandwidth_bytes_s)
         table = cfg.budget_table()
+        auto = cfg.auto_budget()
+        if table is None and auto is not None:  # measured on this engine's own worker
+            from workers.auto_budget import worker_budget_table
+
+            result = worker_budget_table(self.worker, wcfg.model, wcfg.dtype, auto,
+                                         progress=True)
+            self.worker.reset()
+            table = BudgetTable(result.data)
         scheduler = cfg.scheduler_config(table)
         step_cost, itl_slo_s = cfg.step_cost(table)
         self.core = ControllerCore(

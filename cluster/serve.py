@@ -88,6 +88,21 @@ def ray_num_cpus(config: TokenflowConfig) -> int:
     return max(os.cpu_count() or 1, math.ceil(need))
 
 
+def describe_budget(budget: dict[str, Any]) -> str:
+    """Where the step budget came from, in one line (`model_info()["budget"]`)."""
+    tokens, source = budget["max_num_batched_tokens"], budget["source"]
+    if source == "measured":
+        return (f"step budget {tokens} tokens: measured on worker 0 ({budget['device_name']}, "
+                f"{budget['threads']} threads) in {budget['measure_s']:.1f} s, cached in "
+                f"{budget['path']}")
+    if source == "cache":
+        return f"step budget {tokens} tokens: worker 0's cached table {budget['path']}"
+    if source == "file":
+        return f"step budget {tokens} tokens: the budget file (calibration.budget_file)"
+    why = f" (the budget table failed: {budget['error']})" if "error" in budget else ""
+    return f"step budget {tokens} tokens: fixed (scheduler.max_num_batched_tokens){why}"
+
+
 def _interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
@@ -162,12 +177,16 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, _interrupt)
     try:
         controller = get_or_create_controller(config.controller_options())
+        if config.auto_budget() is not None:  # the controller logs its progress every 10 s
+            print("starting: worker 0 loads its step budget table from the cache or, on a "
+                  "first start, measures it (a short run)", flush=True)
         info = ray.get(controller.model_info.remote())
         serve.start(http_options={"host": config.cluster.host, "port": config.cluster.port})
         serve.run(build_app(config.model_dump()), name="tokenflow", route_prefix="/")
         url = f"http://{config.cluster.host}:{config.cluster.port}"
         print(f"tokenflow serving {config.worker.model_name} with {info['num_workers']} worker(s) "
               f"on {', '.join(info['devices'])}", flush=True)
+        print(describe_budget(info["budget"]), flush=True)
         print(f"OpenAI API at {url}/v1  (health: {url}/health)  Ctrl-C stops", flush=True)
         cluster = config.cluster
         reason = watch_health(lambda: _ping(controller, cluster.ready_wait_s),

@@ -38,6 +38,7 @@ from typing import Any
 
 import ray
 
+from controller.budget import AutoBudgetResult, BudgetTable
 from controller.core import ControllerCore, NoWorkerUpError, PoolSpec, QueueFullError
 from controller.journal import Journal, JournalRecord
 from controller.messages import Ack, Delta, FinishReason, SamplingParams, StepResult
@@ -79,6 +80,8 @@ def worker_name(index: int) -> str:
 
 # While workers start, how often the controller says what it is waiting for.
 _STARTUP_LOG_EVERY_S = 10.0
+_BUDGET_WAIT = ("worker 0 loads or measures the step budget table ({:.0f} s so far; the "
+                "table is cached for later starts)")
 
 
 def _pending_resources(opts: ControllerOptions, num_workers: int) -> str:
@@ -133,6 +136,12 @@ class ControllerActor:
         self._start_task: asyncio.Task[None] | None = None
         self.waiting_for: str | None = None  # why startup has not finished, once it is slow
         self._num_starting = 0  # worker actors created, not yet answering
+        self._budget_started: float | None = None  # loop time worker 0 was asked for a table
+        # Where the step budget came from: "file" (the driver loaded it), "cache" or
+        # "measured" (worker 0), "fixed" (no table); see `model_info`.
+        self.budget_source: dict[str, Any] = {
+            "source": "fixed" if options.step_cost is None else "file",
+            "max_num_batched_tokens": options.scheduler.max_num_batched_tokens}
         self.request_metrics = RequestMetrics()  # latencies measured where deltas leave
         self.journal: Journal | None = None
         self.num_resumed = 0  # requests re-queued from the journal at start
@@ -177,6 +186,9 @@ class ControllerActor:
         if any(num_held):
             logger.warning("reattached to workers holding %s requests of an earlier controller",
                            num_held)
+        if opts.auto_budget is not None:
+            # Before any scheduler exists: the budget it runs with is worker 0's table.
+            self.options = opts = await self._auto_budget(handles[0], opts)
         records = await self._open_journal()
         self.vocab_size = infos[0].vocab_size
         self.max_model_len = min([wcfg.max_model_len, *(i.max_model_len for i in infos)])
@@ -202,6 +214,42 @@ class ControllerActor:
         logger.info("controller started with %d workers on %s, %d requests resumed from the "
                     "journal", len(handles), ", ".join(sorted({i.device for i in infos})),
                     len(records))
+
+    async def _auto_budget(self, handle: Any, opts: ControllerOptions) -> ControllerOptions:
+        """`opts` on worker 0's budget table: loaded from its cache or measured on its device
+        (a short run, seconds to tens of seconds); fixed budgets when it fails."""
+        request = opts.auto_budget
+        assert request is not None
+        loop = asyncio.get_running_loop()
+        self._budget_started = started = loop.time()
+        answer = asyncio.gather(handle.budget_table.remote(request))
+        try:
+            while True:  # a calibration must not run in silence either
+                done, _ = await asyncio.wait({answer}, timeout=_STARTUP_LOG_EVERY_S)
+                if done:
+                    break
+                self.waiting_for = _BUDGET_WAIT.format(loop.time() - started)
+                logger.warning("controller still starting: %s", self.waiting_for)
+            result: AutoBudgetResult = answer.result()[0]
+        except Exception as err:  # not a reason to serve nothing: the fixed budgets serve
+            logger.error("worker 0 could not load or measure the budget table, serving with "
+                         "the fixed budgets: %s: %s", type(err).__name__, err)
+            self.budget_source = {"source": "fixed", "error": f"{type(err).__name__}: {err}",
+                                  "max_num_batched_tokens": opts.scheduler.max_num_batched_tokens}
+            return dataclasses.replace(opts, auto_budget=None)
+        finally:
+            self.waiting_for, self._budget_started = None, None
+        resolved = opts.with_budget_table(BudgetTable(result.data), request.fit)
+        self.budget_source = {
+            "source": "measured" if result.is_measured else "cache", "path": result.path,
+            "pid": result.pid, "measure_s": result.measure_s,
+            "device_name": result.data["device_name"],
+            "threads": result.data["spec"]["threads"],
+            "max_num_batched_tokens": resolved.scheduler.max_num_batched_tokens}
+        logger.info("step budget from worker 0's table (%s, %s): max_num_batched_tokens %d",
+                    self.budget_source["source"], result.path,
+                    resolved.scheduler.max_num_batched_tokens)
+        return resolved
 
     async def _open_journal(self) -> list[JournalRecord]:
         """Start the journal (when Redis is configured) and read back what an earlier
@@ -278,7 +326,8 @@ class ControllerActor:
         return {"vocab_size": self.vocab_size, "max_model_len": self.max_model_len,
                 "eos_token_ids": list(info.eos_token_ids), "model_path": info.model_path,
                 "num_workers": len(self.slots), "devices": [s.info.device for s in self.slots],
-                "torch_threads": [s.info.torch_threads for s in self.slots]}
+                "torch_threads": [s.info.torch_threads for s in self.slots],
+                "budget": dict(self.budget_source)}
 
     # -- requests -----------------------------------------------------------------------
     def _admit(self, core: ControllerCore, prompt_token_ids: list[int],
@@ -464,6 +513,9 @@ class ControllerActor:
                     and task.exception() is not None
                 if failed:
                     reason = f"startup failed: {task.exception()}"
+                elif self._budget_started is not None:
+                    elapsed = asyncio.get_running_loop().time() - self._budget_started
+                    reason = _BUDGET_WAIT.format(elapsed)
                 elif self._num_starting:
                     reason = _pending_resources(self.options, self._num_starting)
                 else:

@@ -8,10 +8,10 @@ owns the full configuration (`TokenflowConfig`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from controller.budget import LinearStepCost
+from controller.budget import AutoBudget, BudgetFit, BudgetTable, LinearStepCost
 from controller.core import DegradedConfig
 from controller.flow import FlowConfig
 from controller.journal import JournalConfig
@@ -154,3 +154,26 @@ class ControllerOptions:
     step_cost: LinearStepCost | None = None  # a budget table's: chunks sized per step
     itl_slo_s: float | None = None  # what step_cost sizes chunks for
     worker_cls: str = "workers.actor:WorkerActor"  # "module:Class" of the worker actor
+    # Set (calibration.auto without a budget file): before its scheduler config is final,
+    # the controller has worker 0 load or measure the table on the worker's own device;
+    # the four fields above are then replaced by `with_budget_table`.
+    auto_budget: AutoBudget | None = None
+
+    def with_budget_table(self, table: BudgetTable, fit: BudgetFit) -> ControllerOptions:
+        """These options running on `table`: its budget for the SLO, its cost model."""
+        step_cost = table.step_cost()
+        return replace(self, scheduler=budgeted_scheduler(self.scheduler, table, fit, self.cache),
+                       cost_model=step_cost.chunk_s, step_cost=step_cost,
+                       itl_slo_s=fit.itl_slo_ms / 1e3, auto_budget=None)
+
+
+def budgeted_scheduler(scheduler: SchedulerConfig, table: BudgetTable, fit: BudgetFit,
+                       cache: CacheConfig) -> SchedulerConfig:
+    """`scheduler` with the table's budget for `fit`'s SLO (the table wins), planned at
+    depth 0 unless `fit` names one (the cost model shrinks deeper chunks step by step)."""
+    context = 0 if fit.plan_context_tokens is None else fit.plan_context_tokens
+    budget, _ = table.recommend(
+        fit.itl_slo_ms, block_size=cache.block_size,
+        kv_capacity_tokens=cache.num_kv_blocks * cache.block_size, context=context,
+        decodes=fit.plan_decodes)
+    return replace(scheduler, max_num_batched_tokens=budget)

@@ -14,6 +14,7 @@ import os
 import uuid
 from dataclasses import dataclass
 
+from controller.budget import AutoBudget, AutoBudgetResult
 from controller.messages import StepPlan, StepResult
 
 
@@ -55,6 +56,7 @@ class WorkerActor:
             self.worker.telemetry = make_source(str(self.worker.device), peak_bandwidth_bytes_s)
         self.num_steps = 0
         self.incarnation = uuid.uuid4().hex
+        self.model, self.dtype = model, dtype  # as configured: the budget cache's spec
 
     def info(self) -> WorkerInfo:
         import torch
@@ -73,6 +75,17 @@ class WorkerActor:
                 f"plan for worker incarnation {incarnation}, this is {self.incarnation}")
         self.num_steps += 1
         return self.worker.execute(plan)
+
+    def budget_table(self, request: AutoBudget) -> AutoBudgetResult:
+        """The budget table of this worker's model, device, dtype and threads: cached, or
+        measured here on this worker before it serves (the controller asks worker 0 once,
+        before its first plan). Leaves no request behind."""
+        from workers.auto_budget import worker_budget_table
+
+        try:
+            return worker_budget_table(self.worker, self.model, self.dtype, request)
+        finally:
+            self.worker.reset()
 
     def held_block_ids(self) -> set[int]:
         return self.worker.held_block_ids()

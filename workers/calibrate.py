@@ -21,6 +21,7 @@ never timed.
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
@@ -30,7 +31,7 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm import tqdm
 
-from controller.budget import SCHEMA_VERSION
+from controller.budget import SCHEMA_VERSION, CalibrationGrid
 from controller.messages import CachedRequestData, NewRequestData, SamplingParams, StepPlan
 from workers.hardware import measure_matmul_peak_flops, measure_memory_bandwidth
 from workers.worker import Worker
@@ -61,6 +62,26 @@ class CalibrationSpec:
     bandwidth_bytes: int  # buffer of the bandwidth probe (far above the last-level cache)
     memory_fraction: float
 
+    @classmethod
+    def of(cls, grid: CalibrationGrid, *, model: str, dtype: str, device: str,
+           block_size: int, tile_tokens: int, threads: int | None) -> CalibrationSpec:
+        """`grid` on one worker; chunks on the grid of lcm(block size, tile)."""
+        return cls(model=model, dtype=dtype, device=device, block_size=block_size,
+                   tile_tokens=tile_tokens, warmup=grid.warmup, iters=grid.iters,
+                   threads=threads,
+                   prefill_tokens=tile_grid(math.lcm(block_size, tile_tokens), grid.max_tokens),
+                   contexts=grid.contexts, decode_batches=grid.decode_batches,
+                   decode_contexts=grid.decode_contexts, matmul_size=grid.matmul_size,
+                   bandwidth_bytes=grid.bandwidth_bytes, memory_fraction=grid.memory_fraction)
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """KV blocks the largest prefill point or decode batch needs at once."""
+        max_len = max(t + c for t in self.prefill_tokens for c in self.contexts)
+        decode_blocks = max(self.decode_batches) * _blocks(max(self.decode_contexts) + 1,
+                                                           self.block_size)
+        return max(_blocks(max_len, self.block_size), decode_blocks, 2)
+
 
 def tile_grid(unit: int, max_tokens: int) -> tuple[int, ...]:
     """unit, 2*unit, 4*unit, ... up to max_tokens: the chunk sizes measured."""
@@ -76,14 +97,19 @@ def _blocks(tokens: int, block_size: int) -> int:
 
 
 class Calibrator:
-    def __init__(self, spec: CalibrationSpec, progress: bool = True) -> None:
+    def __init__(self, spec: CalibrationSpec, progress: bool = True,
+                 worker: Worker | None = None) -> None:
+        """`worker`: measure on this one (a serving worker before it serves: its weights,
+        pool, backend and CUDA graphs are what the table is for; its requests must be gone
+        and it must be running `spec`'s model, dtype and device). A new worker with a pool
+        of just the needed size is built when none is given or its pool is too small or
+        of another block size."""
         self.spec, self.progress = spec, progress
-        max_len = max(t + c for t in spec.prefill_tokens for c in spec.contexts)
-        decode_blocks = max(spec.decode_batches) * _blocks(max(spec.decode_contexts) + 1,
-                                                           spec.block_size)
-        num_blocks = max(_blocks(max_len, spec.block_size), decode_blocks, 2)
-        self.worker = Worker(spec.model, num_kv_blocks=num_blocks, block_size=spec.block_size,
-                             dtype=spec.dtype, device=spec.device)
+        if worker is None or worker.block_size != spec.block_size \
+                or worker.num_kv_blocks < spec.num_kv_blocks:
+            worker = Worker(spec.model, num_kv_blocks=spec.num_kv_blocks,
+                            block_size=spec.block_size, dtype=spec.dtype, device=spec.device)
+        self.worker = worker
         self._steps = 0
         self._admitted: set[str] = set()  # request ids the worker holds for the sweep
 
