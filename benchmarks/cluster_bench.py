@@ -98,6 +98,7 @@ def standin_overhead(config: TokenflowConfig, decode_steps: int) -> dict[str, An
                 base.cluster, namespace=f"{config.cluster.namespace}-standin-{mode}",
                 worker_num_cpus=0.01),  # it sleeps: no CPU to reserve
             worker=dataclasses.replace(base.worker, telemetry=False),
+            auto_budget=None,  # nothing to calibrate: the stand-in's step is fixed
             scheduler=dataclasses.replace(base.scheduler, async_scheduling=is_async))
         handle = get_or_create_controller(options)
         try:

@@ -222,8 +222,9 @@ class ControllerActor:
         assert request is not None
         loop = asyncio.get_running_loop()
         self._budget_started = started = loop.time()
-        answer = asyncio.gather(handle.budget_table.remote(request))
         try:
+            # Inside the guard: a worker class without the method raises here, at once.
+            answer = asyncio.gather(handle.budget_table.remote(request))
             while True:  # a calibration must not run in silence either
                 done, _ = await asyncio.wait({answer}, timeout=_STARTUP_LOG_EVERY_S)
                 if done:

@@ -262,3 +262,20 @@ def test_controller_serves_with_fixed_budgets_when_the_table_fails() -> None:
         assert (await actor.ping())["ok"]
 
     asyncio.run(asyncio.wait_for(main(), 10))
+
+
+def test_a_worker_class_without_budget_tables_serves_with_fixed_budgets() -> None:
+    """A custom `worker_cls` (the benchmarks' stand-in) need not measure anything: the
+    missing method is a failure like any other, not a controller that never starts."""
+    request = TokenflowConfig(calibration={"auto": True}).auto_budget()
+
+    async def main() -> None:
+        actor, handles = make_actor()
+        actor.options = dataclasses.replace(actor.options, auto_budget=request)
+        assert not hasattr(handles[0], "budget_table")
+        info = await actor.model_info()
+        assert info["budget"]["source"] == "fixed"
+        assert "AttributeError" in info["budget"]["error"]
+        assert (await actor.ping())["ok"]
+
+    asyncio.run(asyncio.wait_for(main(), 10))
