@@ -56,7 +56,9 @@ class NewRequestData:
 
 @dataclass
 class CachedRequestData:
-    """Diff for a request the worker holds: blocks appended this step."""
+    """Diff for a request the worker holds: blocks appended this step. Sent only when
+    there is one: a scheduled request without it keeps its block table, and its
+    `num_computed_tokens` is where the worker's previous step left it."""
 
     request_id: str
     new_block_ids: list[int]

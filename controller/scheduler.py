@@ -169,7 +169,9 @@ class Scheduler:
         # request that moves to another worker keeps its place in line there.
         self._arrivals = arrivals or itertools.count()
         self._step_ids = itertools.count()
-        self._worker_known: dict[str, int] = {}  # request id -> blocks already sent
+        # request id -> (blocks already sent, num_computed_tokens the worker will have
+        # reached after the last step that carried it)
+        self._worker_known: dict[str, tuple[int, int]] = {}
         self._finished_ids: set[str] = set()  # to tell the worker next plan
         self.stats = SchedulerStats()
         self.tenant_stats = TenantStats()
@@ -515,15 +517,18 @@ class Scheduler:
         for request_id, num_new in scheduled.items():
             request = self.requests[request_id]
             block_ids = self.kv.block_ids(request_id)
-            num_sent = self._worker_known.get(request_id)
-            if num_sent is None:
+            known = self._worker_known.get(request_id)
+            if known is None:
                 plan.new_requests.append(NewRequestData(
                     request_id, request.all_token_ids, request.sampling_params,
                     list(block_ids), request.num_computed_tokens, request.num_output_tokens))
-            else:
+            elif known != (len(block_ids), request.num_computed_tokens):
+                # Only what the worker cannot know: new blocks, or a count it did not reach
+                # itself. A decode inside its last block sends nothing but its span.
                 plan.cached_requests.append(CachedRequestData(
-                    request_id, block_ids[num_sent:], request.num_computed_tokens))
-            self._worker_known[request_id] = len(block_ids)
+                    request_id, block_ids[known[0]:], request.num_computed_tokens))
+            self._worker_known[request_id] = (len(block_ids),
+                                              request.num_computed_tokens + num_new)
             plan.num_scheduled_tokens[request_id] = num_new
             # Planned is as good as computed for the next plan (steps run in order on the
             # worker); a step that computes every token so far samples one more.

@@ -1,7 +1,8 @@
 """A fake worker for scheduler tests. Torch-free.
 
 It keeps its own per-request state, built only from the plans' diffs (as the real worker
-does), and checks every diff against it: a cached request it does not hold, a
+does; a scheduled request without a diff continues where its last step left it), and checks
+every diff against it: a cached request it does not hold, a
 `num_computed_tokens` that disagrees with what it computed, or a block table too small for
 the scheduled tokens fails the test. It samples a seeded token whenever a request's known
 tokens are all computed, and reports `chunk_complete` events with a scripted cost and
@@ -71,7 +72,9 @@ class FakeRunner:
         scheduled_ids = set(plan.num_scheduled_tokens)
         sent_ids = {n.request_id for n in plan.new_requests} | {
             c.request_id for c in plan.cached_requests}
-        assert scheduled_ids == sent_ids, "scheduled requests and diffs disagree"
+        assert sent_ids <= scheduled_ids, "a diff for a request this step does not run"
+        for request_id in scheduled_ids - sent_ids:  # no diff: where the last step left it
+            assert request_id in self.requests, f"{request_id} scheduled, never sent"
         result = StepResult(step_id=plan.step_id, num_tokens=plan.total_num_scheduled_tokens,
                             bandwidth_utilization=self.bandwidth())
         for request_id, num_new in plan.num_scheduled_tokens.items():

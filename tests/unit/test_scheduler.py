@@ -138,10 +138,10 @@ def test_fake_runner_rejects_a_diff_that_disagrees_with_what_it_computed():
 
     sched = make_scheduler(64, 32, 4, 8, False, 4)
     runner = FakeRunner(sched)
-    sched.add_request(make_request("a", 10, 4))
-    runner.step()  # the whole prompt: "a" now decodes
+    sched.add_request(make_request("a", 12, 4))
+    runner.step()  # the whole prompt, 3 full blocks: "a" now decodes into a 4th block
     plan = sched.schedule()
-    (cached,) = plan.cached_requests
+    (cached,) = plan.cached_requests  # a diff: the new block
     plan.cached_requests = [dataclasses.replace(
         cached, num_computed_tokens=cached.num_computed_tokens - 1)]
     with pytest.raises(AssertionError):
@@ -151,3 +151,22 @@ def test_fake_runner_rejects_a_diff_that_disagrees_with_what_it_computed():
     unknown.num_scheduled_tokens = {"ghost": 1}
     with pytest.raises(AssertionError, match="never got"):
         runner.execute(unknown)
+
+
+def test_a_decode_inside_its_last_block_sends_no_diff():
+    """The plan carries what the worker cannot know: a decode that stays inside its last
+    block is its span alone; one that opens a block sends that block only."""
+    sched = make_scheduler(64, 32, 4, 8, False, 4)
+    runner = FakeRunner(sched)
+    sched.add_request(make_request("a", 9, 8))
+    runner.step()  # 9 prompt tokens in 3 blocks (12 slots), the first token sampled
+    diffs = []
+    for _ in range(6):  # positions 9..14: blocks 3 and 4 fill, block 4 opens at 12
+        plan = sched.schedule()
+        assert plan.num_scheduled_tokens == {"a": 1} and not plan.new_requests
+        diffs.append([(c.new_block_ids, c.num_computed_tokens) for c in plan.cached_requests])
+        sched.update_from_output(plan, runner.execute(plan))
+    blocks = sched.kv.block_ids("a")
+    assert diffs == [[], [], [], [([blocks[3]], 12)], [], []]
+    fake = runner.requests["a"]
+    assert fake.num_computed_tokens == 15 == len(fake.token_ids) - 1
