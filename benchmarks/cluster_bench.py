@@ -14,7 +14,8 @@
 3. Ray path against a 3 ms step: the overhead of (1) again, with a stand-in worker actor
    (benchmarks/standin_worker.py) that runs no model and answers every step after 3 ms,
    the step a 1B model should take on a GPU: the controller's and Ray's share of such a step
-   (goal: under 10 %), stepping one step at a time and with `scheduler.async_scheduling`.
+   (goal: under 10 %), stepping one step at a time and with `scheduler.async_scheduling`,
+   3 interleaved rounds, the median reported.
 Writes benchmarks/results/cluster.json.
 """
 
@@ -37,6 +38,7 @@ from controller.messages import SamplingParams
 
 RESULTS = Path(__file__).resolve().parent / "results" / "cluster.json"
 WARMUP_STEPS = 5
+STANDIN_ROUNDS = 3
 
 
 def prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -90,29 +92,41 @@ def standin_overhead(config: TokenflowConfig, decode_steps: int) -> dict[str, An
     from controller.actor import get_or_create_controller
 
     base = config.controller_options()
-    modes: dict[str, Any] = {}
-    for mode, is_async in (("sync", False), ("async_scheduling", True)):
-        options = dataclasses.replace(
-            base, worker_cls="benchmarks.standin_worker:StandInWorkerActor",
-            cluster=dataclasses.replace(
-                base.cluster, namespace=f"{config.cluster.namespace}-standin-{mode}",
-                worker_num_cpus=0.01),  # it sleeps: no CPU to reserve
-            worker=dataclasses.replace(base.worker, telemetry=False),
-            auto_budget=None,  # nothing to calibrate: the stand-in's step is fixed
-            scheduler=dataclasses.replace(base.scheduler, async_scheduling=is_async))
-        handle = get_or_create_controller(options)
-        try:
-            client = RayControllerClient(handle)
-            vocab = ray.get(handle.model_info.remote())["vocab_size"]
-            rows = [step_overhead(handle, client, vocab, n, decode_steps)
-                    for n in (16, config.scheduler.max_num_seqs)]
-        finally:
-            ray.kill(handle)
-        for row in rows:
-            row["overhead_share_of_step"] = row["overhead_ms"] / row["step_wall_ms"]
-        modes[mode] = rows
-    return {"worker_step_ms": STEP_S * 1e3, "target_share": 0.10, "steps": modes["sync"],
-            "steps_async_scheduling": modes["async_scheduling"]}
+    runs: dict[str, list[list[dict[str, float]]]] = {"sync": [], "async_scheduling": []}
+    for _ in range(STANDIN_ROUNDS):  # interleaved: the machine's noise hits both modes
+        for mode, is_async in (("sync", False), ("async_scheduling", True)):
+            options = dataclasses.replace(
+                base, worker_cls="benchmarks.standin_worker:StandInWorkerActor",
+                cluster=dataclasses.replace(
+                    base.cluster, namespace=f"{config.cluster.namespace}-standin-{mode}",
+                    worker_num_cpus=0.01),  # it sleeps: no CPU to reserve
+                worker=dataclasses.replace(base.worker, telemetry=False),
+                auto_budget=None,  # nothing to calibrate: the stand-in's step is fixed
+                scheduler=dataclasses.replace(base.scheduler, async_scheduling=is_async))
+            handle = get_or_create_controller(options)
+            try:
+                client = RayControllerClient(handle)
+                vocab = ray.get(handle.model_info.remote())["vocab_size"]
+                rows = [step_overhead(handle, client, vocab, n, decode_steps)
+                        for n in (16, config.scheduler.max_num_seqs)]
+            finally:
+                ray.kill(handle)
+            for row in rows:
+                row["overhead_share_of_step"] = row["overhead_ms"] / row["step_wall_ms"]
+            runs[mode].append(rows)
+
+    def median_rows(mode: str) -> list[dict[str, Any]]:
+        """Per running count, the round with the median share, and every round's share."""
+        out = []
+        for i in range(len(runs[mode][0])):
+            rounds = sorted((r[i] for r in runs[mode]), key=lambda r: r["overhead_share_of_step"])
+            out.append({**rounds[len(rounds) // 2],
+                        "share_per_round": [r["overhead_share_of_step"] for r in rounds]})
+        return out
+
+    return {"worker_step_ms": STEP_S * 1e3, "target_share": 0.10, "rounds": STANDIN_ROUNDS,
+            "steps": median_rows("sync"),
+            "steps_async_scheduling": median_rows("async_scheduling")}
 
 
 def http_workload(url: str, model: str, batch: list[list[int]], max_tokens: int) -> int:

@@ -568,8 +568,9 @@ class Scheduler:
             request.output_token_ids.extend(sampled)
             # Computed (or planned: steps run in order, the next one writes it before
             # anyone reads it) and known: full blocks up to there can be hashed.
-            self.kv.cache_full_blocks(request_id, request.all_token_ids,
-                                      min(request.num_computed_tokens, request.num_tokens))
+            num_ready = min(request.num_computed_tokens, request.num_tokens)
+            if self.kv.has_new_full_block(request_id, num_ready):
+                self.kv.cache_full_blocks(request_id, request.all_token_ids, num_ready)
             finish = request.check_stop() if sampled else None
             if finish is not None:
                 self._finish(request, finish)

@@ -81,6 +81,15 @@ class KVCacheManager:
         assert all(h is not None for h in hashes)
         self.req_to_block_hashes[request_id] = hashes  # type: ignore[assignment]
 
+    def has_new_full_block(self, request_id: str, num_computed_tokens: int) -> bool:
+        """Whether `cache_full_blocks` would register anything: callers skip building the
+        token list (prompt + output, every step of every request) when it would not."""
+        if not self.pool.enable_prefix_caching:
+            return False
+        num_full = min(num_computed_tokens // self.block_size,
+                       len(self.req_to_block_ids.get(request_id, ())))
+        return num_full > len(self.req_to_block_hashes.get(request_id, ()))
+
     def cache_full_blocks(self, request_id: str, token_ids: Sequence[int],
                           num_computed_tokens: int) -> None:
         """Register the hashes of blocks whose tokens are all computed now."""
