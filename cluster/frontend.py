@@ -62,6 +62,14 @@ class TextStream:
         self.text += delta
         return delta
 
+    def num_to_decode(self, new_token_ids: list[int],
+                      finish_reason: FinishReason | None) -> int:
+        """Tokens `advance` would detokenize now: a lazy stream decodes everything at its
+        end and nothing before (where a caller decides what runs off its event loop)."""
+        if not self.is_lazy:
+            return len(new_token_ids)
+        return len(self.token_ids) + len(new_token_ids) if finish_reason is not None else 0
+
     def advance(self, new_token_ids: list[int], finish_reason: FinishReason | None,
                 abort: Callable[[], object]) -> tuple[str, FinishReason | None]:
         """One delta of the request in: (new text, finish reason). A stop string that

@@ -294,7 +294,8 @@ async def advance(frontend: Frontend, text: TextStream, delta: Delta,
     """`text.advance` for one delta; a long delta (a stream that fell behind) is
     detokenized on the frontend's pool. `abort` always runs here, on the event loop."""
     if (frontend.executor is None
-            or len(delta.token_ids) < frontend.config.edge.detokenize_in_thread_tokens):
+            or text.num_to_decode(delta.token_ids, delta.finish_reason)
+            < frontend.config.edge.detokenize_in_thread_tokens):
         return text.advance(delta.token_ids, delta.finish_reason, abort)
     stopped: list[bool] = []
     piece, reason = await asyncio.get_running_loop().run_in_executor(

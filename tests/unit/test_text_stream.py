@@ -87,3 +87,45 @@ def test_a_lazy_stream_gives_the_eager_text_and_decodes_only_at_the_end(tokenize
     if not stop:
         assert pieces[:-1] == ["", "", "", ""] and pieces[-1] == lazy.text
     assert lazy.finish() == "" and lazy.text == eager.text  # a second finish adds nothing
+
+
+def test_a_lazy_stream_decodes_its_whole_answer_off_the_event_loop(tokenizer):
+    """A non-streamed answer is decoded at its end, all at once: the edge sends that
+    decode to its text pool by the answer's length, not by the last delta's."""
+    import asyncio
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from cluster.config import TokenflowConfig
+    from cluster.frontend import Frontend
+    from cluster.ingress import advance
+    from controller.messages import Delta
+
+    config = TokenflowConfig()
+    threshold = config.edge.detokenize_in_thread_tokens
+    stream = TextStream(tokenizer, (), is_lazy=True)
+    assert stream.num_to_decode(ids("a"), None) == 0
+    threads: list[str] = []
+    original = stream.advance
+
+    def spy(*args):
+        threads.append(threading.current_thread().name)
+        return original(*args)
+
+    stream.advance = spy  # type: ignore[method-assign]
+    text = "x" * (threshold + 5)
+
+    async def main() -> str:
+        with ThreadPoolExecutor(1, thread_name_prefix="tokenflow-text") as pool:
+            frontend = Frontend(tokenizer, config, 512, pool)
+            for ch in text[:-1]:  # one token per delta, none decoded yet
+                await advance(frontend, stream, Delta("r", 0, ids(ch)), lambda: None)
+            piece, reason = await advance(frontend, stream, Delta(
+                "r", 0, ids(text[-1]), finish_reason=FinishReason.LENGTH), lambda: None)
+            assert reason == FinishReason.LENGTH
+            return piece
+
+    assert asyncio.run(main()) == text == stream.text
+    assert stream.num_to_decode([], FinishReason.LENGTH) == 0  # decoded: nothing left
+    assert threads[-1].startswith("tokenflow-text")
+    assert all(name == threading.main_thread().name for name in threads[:-1])
