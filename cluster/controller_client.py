@@ -21,7 +21,7 @@ import contextvars
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import Any, Protocol
 
 from controller.backoff import Backoff
@@ -62,6 +62,9 @@ class RayControllerClient:
         self.handle = handle
         self._queues: dict[str, asyncio.Queue[Delta]] = {}  # unfinished request -> deltas
         self._num_delivered: dict[str, int] = {}  # unfinished request -> tokens queued
+        # Requests whose `submit` was answered: only these are resumed after a broken
+        # stream (one still being submitted is sent again by its own `submit`).
+        self._acked: set[str] = set()
         self._subscriber = ""
         self._pump_task: asyncio.Task[None] | None = None
         # Built here so that a bad value fails the constructor, not a later pump. One pump
@@ -92,7 +95,7 @@ class RayControllerClient:
     async def submit(self, prompt_token_ids: list[int], params: SamplingParams,
                      request_id: str, priority: int, tenant: str
                      ) -> tuple[Ack, AsyncIterator[Delta]]:
-        from ray.exceptions import RayTaskError
+        from ray.exceptions import RayActorError, RayTaskError
 
         # Subscriber choice and registration are one synchronous step: the pump decides to
         # end and fails its queues without awaiting in between, and its task is done as
@@ -102,9 +105,22 @@ class RayControllerClient:
         pump = self._pump_task
         # Registered before `submit`: the first deltas may overtake its reply.
         queue = self._queues[request_id] = asyncio.Queue()
+        backoff = Backoff(self.reconnect_backoff.first_s, self.reconnect_backoff.max_s)
+        give_up_at = time.monotonic() + self.reconnect_timeout_s
         try:
-            ack = await self.handle.submit.remote(prompt_token_ids, params, request_id,
-                                                  priority, tenant, subscriber)
+            while True:
+                try:
+                    ack = await self.handle.submit.remote(prompt_token_ids, params,
+                                                          request_id, priority, tenant,
+                                                          subscriber)
+                    break
+                except RayActorError:
+                    # The controller died or restarts with this call in flight: it may or
+                    # may not have admitted the request. `submit` is idempotent by id (a
+                    # journaled one is resumed from its first token), so send it again.
+                    if time.monotonic() > give_up_at:
+                        raise
+                    await asyncio.sleep(backoff.next_s())  # a retry interval
         except BaseException as err:
             self._queues.pop(request_id, None)
             if isinstance(err, RayTaskError):  # refused: nothing was admitted
@@ -119,6 +135,7 @@ class RayControllerClient:
             # for a subscriber nobody reads until max_tokens. Sent after the ack, so the
             # abort cannot overtake the admission (a no-op if it had already finished).
             self.abort(request_id)
+        self._acked.add(request_id)
         return ack, self._deltas(request_id, queue)
 
     async def _deltas(self, request_id: str, queue: asyncio.Queue[Delta]
@@ -132,6 +149,7 @@ class RayControllerClient:
         finally:
             self._queues.pop(request_id, None)  # the consumer went away: drop the rest
             self._num_delivered.pop(request_id, None)
+            self._acked.discard(request_id)
 
     def _subscribe(self) -> str:
         if self._pump_task is None or self._pump_task.done():
@@ -165,8 +183,10 @@ class RayControllerClient:
                 except Exception as err:
                     # To resume: the requests open when the stream first broke (or, after a
                     # failed resume, those of them still open); a request registered since
-                    # was submitted for this subscriber anew, not resumed.
-                    to_resume = [rid for rid in to_resume or self._queues if rid in self._queues]
+                    # was submitted for this subscriber anew, not resumed, and one whose
+                    # submit is unanswered is sent again by that submit.
+                    to_resume = [rid for rid in to_resume or self._queues
+                                 if rid in self._queues and rid in self._acked]
                     # The end decision counts every open request, those registered during
                     # the backoff or a failed resume too: ending now would fail them
                     # although they are running.
@@ -186,6 +206,7 @@ class RayControllerClient:
             # end decision to here: `submit` cannot register a queue in between.
             queues, self._queues = self._queues, {}
             self._num_delivered.clear()
+            self._acked.clear()
             for request_id, queue in queues.items():
                 queue.put_nowait(Delta.failed(request_id, "the controller's delta stream ended"))
 
@@ -195,13 +216,14 @@ class RayControllerClient:
         self.num_reconnects += 1
         logger.warning("resumed %d request streams on the controller", len(positions))
 
-    def _dispatch(self, batch: list[Delta]) -> None:
+    def _dispatch(self, batch: Iterable[Delta]) -> None:
         for delta in batch:
             # Popped once finished: a consumer that never reads holds nothing here.
             request_id = delta.request_id
             if delta.is_finished:
                 queue = self._queues.pop(request_id, None)
                 self._num_delivered.pop(request_id, None)
+                self._acked.discard(request_id)
             else:
                 queue = self._queues.get(request_id)
                 if queue is not None:

@@ -7,12 +7,12 @@ is the lock; a slow worker only delays its own loop. A loop with nothing to do p
 `asyncio.Event` that `submit`, `abort` and event producers set: no polling.
 
 One streaming protocol toward the edge, multiplexed: a consumer (an ingress replica, a batch
-runner) opens one `subscribe` stream that carries the `Delta`s of all its requests, a list per
-step, and admits each request with a plain `submit` call, which answers with an `Ack` or
-raises (ValueError: never runnable; QueueFullError: 429). Deltas that pile up while a
-consumer is slow are merged, never dropped (controller/streams.py).
-The worker actor class is named by an import path (`ControllerOptions.worker_cls`) so the
-controller has no static dependency on torch code; tests inject a `worker_factory` instead.
+runner) opens one `subscribe` stream that carries the `Delta`s of all its requests (a
+`DeltaBatch` per step), and admits each request with a plain `submit` call, which answers
+with an `Ack` or raises (ValueError: never runnable; QueueFullError: 429). Deltas that pile
+up while a consumer is slow are merged, never dropped (controller/streams.py). The worker
+actor class is named by an import path (`ControllerOptions.worker_cls`) so the controller
+has no static dependency on torch code; tests inject a `worker_factory` instead.
 
 Controller failure: the workers are named, detached actors, so they outlive the controller;
 Ray restarts the controller (`cluster.controller_max_restarts`), which reattaches to them,
@@ -41,7 +41,7 @@ import ray
 from controller.budget import AutoBudgetResult, BudgetTable
 from controller.core import ControllerCore, NoWorkerUpError, PoolSpec, QueueFullError
 from controller.journal import Journal, JournalRecord
-from controller.messages import Ack, Delta, FinishReason, SamplingParams, StepResult
+from controller.messages import Ack, DeltaBatch, FinishReason, SamplingParams, StepResult
 from controller.options import ControllerOptions
 from controller.policies import make_scheduler_class
 from controller.request import Request, RequestOutput, RequestStatus
@@ -350,6 +350,17 @@ class ControllerActor:
         core = await self._started()
         # Get-or-create: Ray may start this call before the subscriber's `subscribe`.
         sub = self._subscribers.setdefault(subscriber, Subscriber())
+        # Idempotent by request id: a client whose submit was cut by a controller crash or
+        # a broken connection sends it again, not knowing whether it was admitted.
+        if request_id in self._unclaimed:  # admitted and journaled before a restart
+            num_prompt_tokens = self._unclaimed[request_id].num_prompt_tokens
+            self._resume_one(core, sub, request_id, 0)
+            return Ack(request_id, core.request_to_worker.get(request_id, -1),
+                       num_prompt_tokens)
+        if self._subscriber_of.get(request_id) is sub:  # admitted here already
+            worker = core.request_to_worker[request_id]
+            request = core.scheduler(worker).requests[request_id]
+            return Ack(request_id, worker, request.num_prompt_tokens)
         try:
             request, worker = self._admit(core, prompt_token_ids, params, request_id,
                                           priority, tenant)
@@ -361,16 +372,15 @@ class ControllerActor:
         self._subscriber_of[request.request_id] = sub
         return Ack(request.request_id, worker, request.num_prompt_tokens)
 
-    async def subscribe(self, subscriber: str) -> AsyncIterator[list[Delta]]:
-        """Deltas of every request submitted for `subscriber`, a list per wake-up. When
-        the subscriber goes away its unfinished requests are aborted."""
+    async def subscribe(self, subscriber: str) -> AsyncIterator[DeltaBatch]:
+        """Deltas of every request submitted for `subscriber`, a `DeltaBatch` per wake-up.
+        When the subscriber goes away its unfinished requests are aborted."""
         sub = self._subscribers.setdefault(subscriber, Subscriber())
         try:
             while True:
                 batch = await sub.next_batch()
-                for delta in batch:
-                    if delta.is_finished:
-                        self._subscriber_of.pop(delta.request_id, None)
+                for request_id in batch.finished_ids():
+                    self._subscriber_of.pop(request_id, None)
                 yield batch
         finally:
             self._subscribers.pop(subscriber, None)
@@ -387,31 +397,34 @@ class ControllerActor:
         Returns request id -> whether it was resumed."""
         core = await self._started()
         sub = self._subscribers.setdefault(subscriber, Subscriber())
-        resumed = {}
-        for request_id, num_delivered in request_to_num_tokens.items():
-            unclaimed = self._unclaimed.pop(request_id, None)
-            resumed[request_id] = unclaimed is not None
-            if unclaimed is None:
-                sub.push(RequestOutput(
-                    request_id, [], FinishReason.ABORT, 0, 0,
-                    error="the controller restarted and cannot resume this request (no "
-                          "journal, or admitted just before the crash)"))
-                continue
-            self.num_resumed_streams += 1
-            tokens, last = unclaimed.token_ids, unclaimed.last
-            out = RequestOutput(request_id, tokens[num_delivered:],
-                                last.finish_reason if last else None,
-                                unclaimed.num_prompt_tokens, len(tokens),
-                                last.num_cached_tokens if last else 0,
-                                last.error if last else None)
-            sub.add(request_id, core.request_to_worker.get(request_id, -1))
-            if num_delivered > len(tokens) and not out.finished:  # else nothing would pop it
-                self._num_to_skip[request_id] = num_delivered - len(tokens)
-            if not out.finished:
-                self._subscriber_of[request_id] = sub
-            if out.new_token_ids or out.finished:
-                sub.push(out)
-        return resumed
+        return {request_id: self._resume_one(core, sub, request_id, num_delivered)
+                for request_id, num_delivered in request_to_num_tokens.items()}
+
+    def _resume_one(self, core: ControllerCore, sub: Subscriber, request_id: str,
+                    num_delivered: int) -> bool:
+        """Attach one journaled request to `sub`, its tokens from `num_delivered` on."""
+        unclaimed = self._unclaimed.pop(request_id, None)
+        if unclaimed is None:
+            sub.push(RequestOutput(
+                request_id, [], FinishReason.ABORT, 0, 0,
+                error="the controller restarted and cannot resume this request (no "
+                      "journal, or admitted just before the crash)"))
+            return False
+        self.num_resumed_streams += 1
+        tokens, last = unclaimed.token_ids, unclaimed.last
+        out = RequestOutput(request_id, tokens[num_delivered:],
+                            last.finish_reason if last else None,
+                            unclaimed.num_prompt_tokens, len(tokens),
+                            last.num_cached_tokens if last else 0,
+                            last.error if last else None)
+        sub.add(request_id, core.request_to_worker.get(request_id, -1))
+        if num_delivered > len(tokens) and not out.finished:  # else nothing would pop it
+            self._num_to_skip[request_id] = num_delivered - len(tokens)
+        if not out.finished:
+            self._subscriber_of[request_id] = sub
+        if out.new_token_ids or out.finished:
+            sub.push(out)
+        return True
 
     async def abort(self, request_id: str) -> bool:
         """Abort a queued or running request; its blocks are released at once and the

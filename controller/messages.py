@@ -17,6 +17,7 @@ then `Delta`s carry its new tokens, the last one with a `FinishReason`.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -176,3 +177,54 @@ class Delta:
     def failed(cls, request_id: str, error: str) -> Delta:
         """The end of a request whose delta stream broke on the way to its consumer."""
         return cls(request_id, -1, finish_reason=FinishReason.ABORT, error=error)
+
+
+@dataclass
+class DeltaBatch:
+    """A subscriber's deltas of one wake-up, column by column: what `subscribe` yields.
+
+    One object of plain lists for Ray to pickle instead of one `Delta` each: cloudpickle
+    calls back into Python per object (128 deltas: 0.42 ms as objects, 0.03 ms as
+    columns, on the controller's step loop). Iterating gives the `Delta`s back."""
+
+    request_ids: list[str] = field(default_factory=list)
+    workers: list[int] = field(default_factory=list)
+    token_ids: list[list[int]] = field(default_factory=list)
+    finish_reasons: list[str | None] = field(default_factory=list)  # FinishReason values
+    num_prompt_tokens: list[int] = field(default_factory=list)
+    num_output_tokens: list[int] = field(default_factory=list)
+    num_cached_tokens: list[int] = field(default_factory=list)
+    errors: list[str | None] = field(default_factory=list)
+
+    def append(self, delta: Delta) -> None:
+        self.request_ids.append(delta.request_id)
+        self.workers.append(delta.worker)
+        self.token_ids.append(delta.token_ids)
+        reason = delta.finish_reason
+        self.finish_reasons.append(None if reason is None else reason.value)
+        self.num_prompt_tokens.append(delta.num_prompt_tokens)
+        self.num_output_tokens.append(delta.num_output_tokens)
+        self.num_cached_tokens.append(delta.num_cached_tokens)
+        self.errors.append(delta.error)
+
+    @classmethod
+    def of(cls, deltas: list[Delta]) -> DeltaBatch:
+        batch = cls()
+        for delta in deltas:
+            batch.append(delta)
+        return batch
+
+    def finished_ids(self) -> list[str]:
+        return [rid for rid, reason in zip(self.request_ids, self.finish_reasons, strict=True)
+                if reason is not None]
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    def __iter__(self) -> Iterator[Delta]:
+        for rid, worker, ids, reason, num_prompt, num_output, num_cached, error in zip(
+                self.request_ids, self.workers, self.token_ids, self.finish_reasons,
+                self.num_prompt_tokens, self.num_output_tokens, self.num_cached_tokens,
+                self.errors, strict=True):
+            yield Delta(rid, worker, ids, None if reason is None else FinishReason(reason),
+                        num_prompt, num_output, num_cached, error)

@@ -1,8 +1,8 @@
 """Where the controller parks request deltas until their consumer takes them.
 
 One `Subscriber` per ingress replica (or batch runner): it holds the deltas of every request
-submitted for it, and `subscribe` yields one list of `Delta`s per wake-up (about one per
-step) instead of one item per request and token: a Ray streaming-generator item costs an
+submitted for it, and `subscribe` yields one `DeltaBatch` per wake-up (about one per step)
+instead of one item per request and token: a Ray streaming-generator item costs an
 object and a report RPC on both sides, which on a busy node is as much CPU as a small
 model's decode step. Deltas that pile up while a consumer is slow are merged, never dropped.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
-from controller.messages import Delta
+from controller.messages import Delta, DeltaBatch
 from controller.request import RequestOutput
 
 
@@ -29,13 +29,13 @@ class Subscriber:
         self.pending.setdefault(out.request_id, []).append(Delta.from_output(out, worker))
         self.ready.set()
 
-    async def next_batch(self) -> list[Delta]:
+    async def next_batch(self) -> DeltaBatch:
         await self.ready.wait()
         self.ready.clear()
         pending, self.pending = self.pending, {}
-        batch = []
+        batch = DeltaBatch()
         for request_id, deltas in pending.items():
-            delta = Delta.merge(deltas)
+            delta = deltas[0] if len(deltas) == 1 else Delta.merge(deltas)
             if delta.is_finished:
                 self.request_to_worker.pop(request_id, None)
             batch.append(delta)

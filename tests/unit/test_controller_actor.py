@@ -517,3 +517,21 @@ def test_a_controller_error_planning_a_step_resets_the_worker_without_a_restart(
         await assert_worker_kept_and_clean(actor, handles[0], 0, 1)
 
     run(main())
+
+
+def test_a_delta_batch_carries_every_field_and_pickles_as_columns() -> None:
+    """What `subscribe` yields: iterating it gives the deltas back, field for field; it
+    pickles without one object per delta (a Ray item is pickled on the step loop)."""
+    import pickle
+
+    from controller.messages import DeltaBatch
+
+    deltas = [Delta(f"r{i}", i % 2, [i, i + 1], None, 3, i, 1) for i in range(3)]
+    deltas += [Delta("done", 1, [], FinishReason.LENGTH, 4, 5, 0),
+               Delta.failed("gone", "the worker died")]
+    batch = DeltaBatch.of(deltas)
+    assert list(batch) == deltas and len(batch) == 5
+    assert batch.finished_ids() == ["done", "gone"]
+    again = pickle.loads(pickle.dumps(batch))
+    assert list(again) == deltas
+    assert b"Delta\\n" not in pickle.dumps(batch, protocol=0)  # columns, not Delta objects

@@ -219,3 +219,60 @@ def test_without_a_journal_open_streams_end_with_a_clear_error() -> None:
         assert fresh.tokens == expected_tokens([4, 5, 6])
 
     asyncio.run(asyncio.wait_for(main(), 30))
+
+
+class CrashingSubmitHandle(RestartableHandle):
+    """The controller dies while a `submit` is in flight: before admitting it, or after
+    (admitted and journaled, its reply lost). Either way the caller sees what Ray raises
+    for a dead actor and cannot know which."""
+
+    def __init__(self, make_actor: Any, crash_on: dict[str, str]) -> None:
+        super().__init__(make_actor)
+        self.crash_on = crash_on  # request id -> "before" | "after"
+        self.num_submits: dict[str, int] = {}
+
+    def __getattr__(self, name: str) -> _LocalMethod:
+        if name == "submit":
+            return _LocalMethod(self._submit)
+        return super().__getattr__(name)
+
+    async def _submit(self, *args: Any) -> Any:
+        from ray.exceptions import RayActorError
+
+        request_id = args[2]
+        self.num_submits[request_id] = self.num_submits.get(request_id, 0) + 1
+        when = self.crash_on.pop(request_id, None)
+        if when == "before":
+            self.crash()
+            raise RayActorError()
+        ack = await self.actor.submit(*args)
+        if when == "after":
+            assert self.actor.journal is not None
+            assert await asyncio.to_thread(self.actor.journal.flush, 10.0)
+            self.crash()
+            raise RayActorError()
+        return ack
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_submit_cut_by_a_controller_crash_is_sent_again_and_changes_no_token(
+        server, when: str) -> None:
+    async def main() -> None:
+        made, workers = make_handle(server.url, f"cut-{when}:")  # its first actor never starts
+        handle = CrashingSubmitHandle(made.make_actor, {"cut": when})
+        client = RayControllerClient(handle, reconnect_backoff_s=0.001)
+        hold(workers, True)  # no step of the first controller ends: the crash cuts it short
+        try:
+            ack, deltas = await client.submit([4, 5, 6, 7], PARAMS, "cut", 0, "default")
+            assert ack.request_id == "cut"
+            hold(workers, False)
+            tokens = [t async for d in deltas for t in d.token_ids]
+            assert tokens == expected_tokens([4, 5, 6, 7])
+            assert handle.num_submits["cut"] == 2  # sent again, admitted once
+            stats = await handle.actor.stats()
+            assert stats["num_resumed_streams"] == (1 if when == "after" else 0)
+            assert stats["num_unfinished"] == 0
+        finally:
+            await handle.actor.shutdown()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
