@@ -23,34 +23,23 @@ from controller.messages import FinishReason, SamplingParams, StepPlan, StepResu
 from controller.options import ControllerOptions, WorkerConfig
 from controller.scheduler import SchedulerConfig
 from tests.unit.fake_runner import FakeRunner
-from tests.unit.test_controller_actor import VOCAB, LocalHandle, make_info
-from workers.actor import WorkerInfo
+from tests.unit.test_controller_actor import VOCAB, FakeWorkerHandle, LocalHandle
 
 
 def next_token(token_ids: list[int]) -> int:
     return (31 * sum(token_ids) + 7 * len(token_ids)) % VOCAB
 
 
-class _Method:
-    def __init__(self, fn: Any) -> None:
-        self._fn = fn
+class OrderedWorkerHandle(FakeWorkerHandle):
+    """`FakeWorkerHandle` whose calls start when sent and run one at a time, in order."""
 
-    def remote(self, *args: Any) -> Any:
-        return self._fn(*args)
-
-
-class OrderedWorkerHandle:
     def __init__(self) -> None:
-        self.runner = FakeRunner(vocab_size=VOCAB, block_size=4, sample=next_token)
+        super().__init__(FakeRunner(vocab_size=VOCAB, block_size=4, sample=next_token))
         self._last: asyncio.Task[StepResult] | None = None
         self.num_outstanding = self.max_outstanding = 0
-        self.execute = _Method(self._execute)
-        self.held_block_ids = _Method(self._held)
-        self.info = _Method(self._info)
-        self.reset = _Method(self._reset)
 
-    def _execute(self, plan: StepPlan, incarnation: str | None = None
-                 ) -> asyncio.Task[StepResult]:
+    def _execute(self, plan: StepPlan,  # type: ignore[override]
+                 incarnation: str | None = None) -> asyncio.Task[StepResult]:
         previous = self._last
         self.num_outstanding += 1
         self.max_outstanding = max(self.max_outstanding, self.num_outstanding)
@@ -65,17 +54,6 @@ class OrderedWorkerHandle:
 
         self._last = asyncio.ensure_future(run())
         return self._last
-
-    async def _info(self) -> WorkerInfo:
-        return make_info("fake-0")
-
-    async def _reset(self) -> int:
-        num_requests = len(self.runner.requests)
-        self.runner.requests.clear()
-        return num_requests
-
-    async def _held(self) -> set[int]:
-        return {b for blocks in self.runner.held.values() for b in blocks}
 
 
 def workload() -> list[tuple[str, list[int], SamplingParams]]:
