@@ -543,6 +543,15 @@ class Scheduler:
         return self.config.max_num_batched_tokens
 
     # -- results -------------------------------------------------------------------
+    def step_context_len(self, step_id: int) -> int:
+        """The longest context a planned step reads (its deadline's size): from the step's
+        shape, without a pass over the running requests; a baseline's step has none."""
+        shape = self._shapes.get(step_id)
+        if shape is None:
+            return max((r.num_tokens for r in self.running), default=0)
+        return max([shape.decode_context + 1,
+                    *(depth + num for num, depth in shape.chunks.values())])
+
     def pop_shape(self, step_id: int) -> StepShape | None:
         """The shape of a step whose result is in (None for a baseline policy's step)."""
         for older in [sid for sid in self._shapes if sid < step_id]:

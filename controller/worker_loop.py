@@ -301,8 +301,7 @@ class WorkerSlot:
 
     def _deadline_s(self, plan: Any) -> float:
         cfg = self.recovery
-        sched = self.core.scheduler(self.index)
-        context = max((r.num_tokens for r in sched.running), default=0)
+        context = self.core.scheduler(self.index).step_context_len(plan.step_id)
         predicted = self.core.workers[self.index].protections.cost_model(
             plan.total_num_scheduled_tokens, context)
         return max(cfg.step_deadline_min_s, cfg.step_deadline_factor * predicted)

@@ -62,6 +62,9 @@ class KVCacheManager:
         held = self.req_to_block_ids.get(request_id, [])
         assert not computed_block_ids or not held
         num_new = cdiv(num_tokens, self.block_size) - len(held) - len(computed_block_ids)
+        if num_new <= 0 and not computed_block_ids:
+            return []  # the common decode: its last block still has room
+
         num_revived = sum(1 for b in computed_block_ids if self.pool.blocks[b].ref_count == 0)
         if max(num_new, 0) > self.pool.num_available - num_revived:
             return None

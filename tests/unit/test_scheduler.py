@@ -170,3 +170,19 @@ def test_a_decode_inside_its_last_block_sends_no_diff():
     assert diffs == [[], [], [], [([blocks[3]], 12)], [], []]
     fake = runner.requests["a"]
     assert fake.num_computed_tokens == 15 == len(fake.token_ids) - 1
+
+
+def test_step_context_len_is_the_longest_context_the_plan_reads():
+    sched = make_scheduler(budget=16, num_blocks=128)
+    runner = FakeRunner(sched)
+    sched.add_request(make_request("short", 3, 20))
+    runner.step()  # prefilled: decodes from now on, its context 4 in the next step
+    sched.add_request(make_request("long", 100, 1))
+    plan = sched.schedule()
+    assert plan.num_scheduled_tokens == {"short": 1, "long": 12}
+    assert sched.step_context_len(plan.step_id) == 12  # the chunk reads keys 0..11
+    sched.update_from_output(plan, runner.execute(plan))
+    plan = sched.schedule()
+    assert sched.step_context_len(plan.step_id) == 12 + plan.num_scheduled_tokens["long"]
+    running = max(r.num_tokens for r in sched.running)
+    assert sched.step_context_len(-1) == running  # no shape: every running request
