@@ -28,6 +28,11 @@ class BatchConfig:
         "job starts) unless scheduler.max_concurrent_chunks is set: every short prompt is "
         "a chunk, and the interactive limit would admit a batch of short prompts a few "
         "per step while the step budget sits unused."))
+    worker_num_threads: int | None = setting(0, ge=0, description=(
+        "torch threads of the CPU worker that a job's own controller starts, unless "
+        "worker.num_threads is set: 0 uses every core of its node (an offline job is that "
+        "node's work, and LocalEngine does the same), None keeps worker.num_threads' "
+        "default (the CPUs Ray reserves for the worker)."))
     ready_wait_s: float = setting(600.0, gt=0, description=(
         "How long a batch job on the cluster waits for the controller's workers to come up "
         "(a job that starts its own controller loads the model first)."))

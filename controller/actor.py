@@ -70,7 +70,9 @@ def start_worker_actors(opts: ControllerOptions) -> list[Any]:
         wcfg.model, cache.num_kv_blocks, cache.block_size, wcfg.dtype, wcfg.seed,
         "cuda" if use_gpu else "cpu", wcfg.telemetry, wcfg.peak_bandwidth_bytes_s,
         attention_backend=wcfg.attention_backend, cuda_graphs=wcfg.cuda_graphs,
-        max_graph_batch=wcfg.max_graph_batch)
+        max_graph_batch=wcfg.max_graph_batch,
+        # Only when set: a worker class of a test or benchmark need not take it.
+        **({} if wcfg.num_threads is None else {"num_threads": wcfg.num_threads}))
         for i in range(num_workers)]
 
 

@@ -58,6 +58,10 @@ class WorkerConfig:
         "on first use); mixed steps run eagerly."))
     max_graph_batch: int = setting(256, ge=1, description=(
         "Largest decode batch replayed from a CUDA graph; larger ones run eagerly."))
+    num_threads: int | None = setting(None, ge=0, description=(
+        "torch intra-op threads of a CPU worker actor. None: as many as the CPUs Ray "
+        "reserves for it (cluster.worker_num_cpus rounded down, at least 1: Ray's "
+        "OMP_NUM_THREADS); 0: every core its process may run on, as LocalEngine uses."))
 
     def __post_init__(self) -> None:
         check_settings(self)

@@ -44,14 +44,16 @@ class WorkerActor:
     def __init__(self, model: str, num_kv_blocks: int, block_size: int, dtype: str = "float32",
                  seed: int = 0, device: str = "auto", telemetry: bool = True,
                  peak_bandwidth_bytes_s: float | None = None, attention_backend: str = "auto",
-                 cuda_graphs: bool = True, max_graph_batch: int = 256) -> None:
+                 cuda_graphs: bool = True, max_graph_batch: int = 256,
+                 num_threads: int | None = None) -> None:
         from workers.telemetry import make_source
         from workers.worker import Worker  # torch is imported in the actor process only
 
         self.worker = Worker(model, num_kv_blocks=num_kv_blocks, block_size=block_size,
                              dtype=dtype, seed=seed, device=_resolve_device(device),
                              attention_backend=attention_backend, cuda_graphs=cuda_graphs,
-                             max_graph_batch=max_graph_batch)
+                             max_graph_batch=max_graph_batch,
+                             num_threads=_resolve_threads(num_threads))
         if telemetry:
             self.worker.telemetry = make_source(str(self.worker.device), peak_bandwidth_bytes_s)
         self.num_steps = 0
@@ -107,3 +109,11 @@ def _resolve_device(device: str) -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _resolve_threads(num_threads: int | None) -> int | None:
+    """0: every core this process may run on (Ray pins OMP_NUM_THREADS to the reserved
+    CPUs otherwise); None leaves that setting."""
+    if num_threads == 0:
+        return len(os.sched_getaffinity(0))
+    return num_threads

@@ -164,6 +164,22 @@ def test_batch_cli_sets_the_batch_section_and_the_offline_step(
     assert config.scheduler.max_concurrent_chunks == 8
 
 
+def test_a_batch_jobs_worker_uses_every_core_unless_worker_threads_are_set(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from cluster.batch import config_from_args, offline_budget, parse_args
+    from workers.actor import _resolve_threads
+
+    args = parse_args(["-i", "in.jsonl", "-o", "out.jsonl"])
+    assert config_from_args(args).worker.num_threads == 0
+    assert _resolve_threads(0) == len(os.sched_getaffinity(0)) >= 1
+    assert _resolve_threads(None) is None and _resolve_threads(3) == 3
+    monkeypatch.setenv("TOKENFLOW_WORKER__NUM_THREADS", "1")
+    assert config_from_args(args).worker.num_threads == 1
+    monkeypatch.delenv("TOKENFLOW_WORKER__NUM_THREADS")
+    config = offline_budget(TokenflowConfig(batch={"worker_num_threads": None}), False)
+    assert config.worker.num_threads is None  # Ray's reserved CPUs
+
+
 def test_cli_options_nest() -> None:
     assert nest({"worker.model": "m", "cache.block_size": None, "cluster.port": 1}) == \
         {"worker": {"model": "m"}, "cluster": {"port": 1}}
