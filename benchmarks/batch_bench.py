@@ -2,14 +2,18 @@
 
     python -m benchmarks.batch_bench [--num-requests 2000] [--out benchmarks/results/batch.json]
 
-The same greedy requests (builtin:tiny, short prompts, `max_tokens` spread from 8 to 128,
-median 32, EOS ignored) run as:
+The same greedy requests (short prompts, `max_tokens` spread from 8 to 128, median 32, EOS
+ignored) on `--model` (default builtin:small, ~7M parameters: big enough that a step's time
+is mostly the model's, not Python's; on builtin:tiny both engines time their own overhead)
+run as:
 - `local`: `python -m cluster.batch --local` (LocalEngine in one process);
 - `job_jsonl`, `job_parquet`, `job_ray_data`: `ray job submit` of `python -m cluster.batch` on
   a Ray head this script starts (loopback, free ports) and stops by pid; the job starts its
   own controller with one worker, as in the README recipe;
 - `transformers_static`: `LlamaForCausalLM.generate` over static batches (left-padded), each
-  to its longest request; tokens past a request's `max_tokens` do not count.
+  to its longest request; tokens past a request's `max_tokens` do not count. It runs the
+  first `--hf-requests` requests only (default 256: 8 batches; the whole input would take
+  it ~10 minutes): static batches are independent, so its tokens/s is the same rate.
 Tokens/s are requested tokens over each run's wall time as the job's summary reports it
 (model load and controller start included: what a user waits for), and after start-up
 (`*_after_startup`: what a longer job tends to). The driver's peak RSS comes from each
@@ -62,7 +66,7 @@ def output_lens(num: int) -> list[int]:
         math.log(MEDIAN_TOKENS), 0.8)))) for _ in range(num)]
 
 
-def write_inputs(folder: Path, texts: list[str]) -> tuple[Path, Path]:
+def write_inputs(folder: Path, texts: list[str], model: str) -> tuple[Path, Path]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -70,7 +74,7 @@ def write_inputs(folder: Path, texts: list[str]) -> tuple[Path, Path]:
     jsonl = folder / "requests.jsonl"
     with jsonl.open("w") as f:
         for i, text in enumerate(texts):
-            body = {"model": "builtin:tiny", "prompt": text, "max_tokens": lens[i],
+            body = {"model": model, "prompt": text, "max_tokens": lens[i],
                     "temperature": 0, "ignore_eos": True}
             f.write(json.dumps({"custom_id": str(i), "method": "POST",
                                 "url": "/v1/completions", "body": body}) + "\n")
@@ -86,10 +90,10 @@ def summary_at(path: str) -> dict[str, Any]:
     return json.loads(Path(path).read_text())
 
 
-def run_local(jsonl: Path, folder: Path) -> dict[str, Any]:
+def run_local(jsonl: Path, folder: Path, model: str) -> dict[str, Any]:
     out = str(folder / "local.jsonl")
     subprocess.run([PY, "-m", "cluster.batch", "-i", str(jsonl), "-o", out, "--local",
-                    "--model", "builtin:tiny", "--no-progress"], cwd=ROOT, check=True,
+                    "--model", model, "--no-progress"], cwd=ROOT, check=True,
                    capture_output=True, timeout=1800)
     return summary_at(out + ".summary.json")
 
@@ -120,12 +124,12 @@ class Head:
                     self.proc.wait(timeout=0.5)
         raise TimeoutError("Ray head did not come up")
 
-    def submit(self, *args: str) -> None:
+    def submit(self, model: str, *args: str) -> None:
         runtime_env = json.dumps({"py_executable": PY})
         subprocess.run([RAY, "job", "submit", "--address",
                         f"http://127.0.0.1:{self.dashboard}", "--working-dir", ".",
                         "--runtime-env-json", runtime_env, "--", PY, "-m", "cluster.batch",
-                        *args, "--model", "builtin:tiny"], cwd=ROOT, env=self.env,
+                        *args, "--model", model], cwd=ROOT, env=self.env,
                        check=True, capture_output=True, timeout=1800)
 
     def stop(self) -> None:
@@ -142,7 +146,7 @@ class Head:
             proc.kill()
 
 
-def run_transformers(texts: list[str]) -> dict[str, Any]:
+def run_transformers(texts: list[str], model: str) -> dict[str, Any]:
     """Static batches of HF_BATCH in input order (output lengths are not known ahead in
     general), each generated to its longest request; only requested tokens count."""
     import torch
@@ -151,10 +155,10 @@ def run_transformers(texts: list[str]) -> dict[str, Any]:
 
     from workers.presets import resolve_model
 
-    path = resolve_model("builtin:tiny")
+    path = resolve_model(model)
     lens = output_lens(len(texts))
     started = time.perf_counter()
-    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tokenizer = Tokenizer.from_file(str(Path(path) / "tokenizer.json"))
     startup_s = time.perf_counter() - started
     num_tokens = num_generated = 0
@@ -165,14 +169,15 @@ def run_transformers(texts: list[str]) -> dict[str, Any]:
         pad = [[0] * (width - len(x)) + x for x in ids]  # left padding
         mask = [[0] * (width - len(x)) + [1] * len(x) for x in ids]
         with torch.inference_mode():
-            out = model.generate(torch.tensor(pad), attention_mask=torch.tensor(mask),
+            out = hf.generate(torch.tensor(pad), attention_mask=torch.tensor(mask),
                                  do_sample=False, max_new_tokens=max(wanted),
                                  min_new_tokens=max(wanted), pad_token_id=0)
         assert out.shape[1] - width == max(wanted)
         num_tokens += sum(wanted)
         num_generated += max(wanted) * len(ids)
     elapsed = time.perf_counter() - started
-    return {"completion_tokens": num_tokens, "generated_incl_batch_tail": num_generated,
+    return {"num_requests": len(texts), "completion_tokens": num_tokens,
+            "generated_incl_batch_tail": num_generated,
             "elapsed_s": round(elapsed, 3), "tokens_per_s": round(num_tokens / elapsed, 1),
             "startup_s": round(startup_s, 3),
             "tokens_per_s_after_startup": round(num_tokens / (elapsed - startup_s), 1),
@@ -183,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-requests", type=int, default=2000)
+    ap.add_argument("--model", default="builtin:small")
+    ap.add_argument("--hf-requests", type=int, default=256,
+                    help="requests transformers runs (a prefix of the input)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/batch.json")
     args = ap.parse_args(argv)
     texts = prompts(args.num_requests)
@@ -190,27 +198,28 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "batch", "num_requests": args.num_requests,
         "max_tokens": {"min": MIN_TOKENS, "median": MEDIAN_TOKENS, "max": MAX_TOKENS,
                        "total": sum(output_lens(args.num_requests))},
-        "model": "builtin:tiny",
+        "model": args.model,
         "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count()}}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        jsonl, parquet = write_inputs(folder, texts)
-        report["local"] = run_local(jsonl, folder)
+        jsonl, parquet = write_inputs(folder, texts, args.model)
+        report["local"] = run_local(jsonl, folder, args.model)
         print("local", report["local"], file=sys.stderr)
         head = Head()
         try:
-            head.submit("-i", str(jsonl), "-o", str(folder / "job.jsonl"), "--no-progress")
+            head.submit(args.model, "-i", str(jsonl), "-o", str(folder / "job.jsonl"),
+                        "--no-progress")
             report["job_jsonl"] = summary_at(str(folder / "job.jsonl.summary.json"))
             print("job_jsonl", report["job_jsonl"], file=sys.stderr)
-            head.submit("-i", str(parquet), "-o", str(folder / "job_pq.jsonl"),
+            head.submit(args.model, "-i", str(parquet), "-o", str(folder / "job_pq.jsonl"),
                         "--no-progress")
             report["job_parquet"] = summary_at(str(folder / "job_pq.jsonl.summary.json"))
-            head.submit("-i", str(parquet), "-o", str(folder / "shards"), "--ray-data",
+            head.submit(args.model, "-i", str(parquet), "-o", str(folder / "shards"), "--ray-data",
                         "--rows-per-shard", "500", "--no-progress")
             report["job_ray_data"] = summary_at(str(folder / "shards" / "summary.json"))
         finally:
             head.stop()
-    report["transformers_static"] = run_transformers(texts)
+    report["transformers_static"] = run_transformers(texts[:args.hf_requests], args.model)
     local, job, hf = report["local"], report["job_jsonl"], report["transformers_static"]
     for suffix, key in (("", "tokens_per_s"), ("_after_startup", "tokens_per_s_after_startup")):
         report[f"job_vs_local{suffix}"] = round(job[key] / local[key], 3)

@@ -55,6 +55,8 @@ PRESETS: dict[str, PresetSpec] = {
     "tiny": PresetSpec(64, 2, 4, 2, 192, 512),
     # about 57M parameters (16M each for the untied embedding and lm_head)
     "bench": PresetSpec(512, 8, 8, 2, 1536, 32000, seed=1),
+    # about 7M parameters: a step's time is mostly the model's, not Python's (batch benchmark)
+    "small": PresetSpec(256, 4, 4, 2, 768, 8000, seed=2),
 }
 
 
