@@ -29,7 +29,8 @@ class WorkerConfig:
 
     model: str = setting("builtin:tiny", description=(
         "Hugging Face checkpoint folder (config.json, *.safetensors, tokenizer.json) of the "
-        "Llama family, or a built-in preset: builtin:tiny (default) or builtin:bench."))
+        "Llama family, or a built-in preset: builtin:tiny (default), builtin:small or "
+        "builtin:bench."))
     served_model_name: str | None = setting(None, description=(
         "Name clients pass as `model`; defaults to the `model` value."))
     dtype: str = setting("float32", description=(
