@@ -9,7 +9,7 @@ owns the full configuration (`TokenflowConfig`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Literal, get_args, get_type_hints
 
 from controller.budget import AutoBudget, BudgetFit, BudgetTable, LinearStepCost
 from controller.core import DegradedConfig
@@ -105,6 +105,17 @@ class ClusterConfig:
     worker_max_restarts: int = setting(-1, ge=-1, description=(
         "Times Ray restarts a dead worker actor (-1: without limit). Its in-flight requests "
         "move to the other workers either way, and it rejoins routing once it is back."))
+    worker_transport: Literal["actor_call", "compiled_graph"] = setting(
+        "actor_call", description=(
+            "How each step's plan reaches a worker actor. actor_call: one Ray actor call "
+            "per step. compiled_graph: a Ray Compiled Graph per worker (shared-memory "
+            "channels, no per-call scheduling), built at start and rebuilt after a worker "
+            "restart; a worker whose graph cannot be built (compiling fails, or it does not "
+            "answer the first empty step, e.g. still bound to a dead controller's graph) "
+            "falls back to actor calls until it restarts."))
+    compiled_graph_probe_s: float = setting(5.0, gt=0, description=(
+        "How long the empty first step through a newly built compiled graph may take "
+        "before that worker falls back to actor calls."))
     controller_num_cpus: float = setting(0.25, ge=0, description=(
         "Ray CPUs reserved for the controller actor (it mostly waits on workers)."))
     controller_max_restarts: int = setting(-1, ge=-1, description=(
@@ -134,6 +145,10 @@ class ClusterConfig:
 
     def __post_init__(self) -> None:
         check_settings(self)
+        kinds = get_args(get_type_hints(ClusterConfig)["worker_transport"])
+        if self.worker_transport not in kinds:  # pydantic checks it, direct construction not
+            raise ValueError(f"ClusterConfig.worker_transport must be one of {kinds}, got "
+                             f"{self.worker_transport!r}")
 
 
 @dataclass(frozen=True)
