@@ -208,7 +208,8 @@ class ControllerActor:
                                  recovery=opts.recovery,
                                  transport=make_transport(
                                      cluster.worker_transport, h, info.incarnation,
-                                     cluster.compiled_graph_probe_s, name=f"worker {w}"))
+                                     cluster.compiled_graph_probe_s,
+                                     opts.recovery.ready_timeout_s, name=f"worker {w}"))
                       for w, (h, info) in enumerate(zip(handles, infos, strict=True))]
         for slot in self.slots:
             slot.on_requests_moved = self._wake_workers

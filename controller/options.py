@@ -110,12 +110,14 @@ class ClusterConfig:
             "How each step's plan reaches a worker actor. actor_call: one Ray actor call "
             "per step. compiled_graph: a Ray Compiled Graph per worker (shared-memory "
             "channels, no per-call scheduling), built at start and rebuilt after a worker "
-            "restart; a worker whose graph cannot be built (compiling fails, or it does not "
-            "answer the first empty step, e.g. still bound to a dead controller's graph) "
-            "falls back to actor calls until it restarts."))
-    compiled_graph_probe_s: float = setting(5.0, gt=0, description=(
-        "How long the empty first step through a newly built compiled graph may take "
-        "before that worker falls back to actor calls."))
+            "restart; a worker whose graph cannot be built (compiling fails, its first "
+            "empty step fails, or the thread the graph runs on is still held by a dead "
+            "controller's graph) falls back to actor calls until it restarts."))
+    compiled_graph_probe_s: float = setting(2.0, gt=0, description=(
+        "How long a worker may take to answer a call on the thread its compiled graph "
+        "would run on before it falls back to actor calls (a dead controller's graph "
+        "holds that thread for good); the graph's first step then has "
+        "recovery.ready_timeout_s."))
     controller_num_cpus: float = setting(0.25, ge=0, description=(
         "Ray CPUs reserved for the controller actor (it mostly waits on workers)."))
     controller_max_restarts: int = setting(-1, ge=-1, description=(

@@ -31,6 +31,7 @@ import contextlib
 import functools
 import logging
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
@@ -43,10 +44,16 @@ COMPILED_GRAPH = "compiled_graph"
 # ahead, and room for the probe (more raises RayCgraphCapacityExceeded).
 MAX_INFLIGHT = 4
 PROBE_STEP_ID = -1  # the empty step that checks a new graph end to end
+# Ray runs a graph's loop on this concurrency group of the actor (one thread), which every
+# actor has; a loop that holds it (a dead controller's) keeps any new graph from starting.
+GRAPH_THREAD_GROUP = "_ray_system"
 TEARDOWN_WAIT_S = 10.0  # a reopen waits this long for the previous graph's teardown
 
 
 class WorkerTransport(Protocol):
+    # Why steps go by actor call although a compiled graph was asked for; None otherwise.
+    fallback_reason: str | None
+
     @property
     def kind(self) -> str:
         """The transport steps take now (a compiled graph may have fallen back)."""
@@ -73,6 +80,7 @@ class ActorCallTransport:
     def __init__(self, handle: Any, incarnation: str) -> None:
         self.handle = handle
         self.incarnation = incarnation
+        self.fallback_reason: str | None = None
 
     def send(self, plan: StepPlan) -> Awaitable[StepResult]:
         try:
@@ -109,9 +117,11 @@ class CompiledGraphTransport:
     """Steps through a Ray Compiled Graph; actor calls while none is built."""
 
     def __init__(self, handle: Any, incarnation: str, probe_timeout_s: float,
+                 first_step_timeout_s: float = 60.0,
                  compile_graph: GraphCompiler | None = None, name: str = "worker") -> None:
         self.calls = ActorCallTransport(handle, incarnation)
         self.probe_timeout_s = probe_timeout_s
+        self.first_step_timeout_s = first_step_timeout_s
         self.compile_graph = compile_graph or compile_worker_graph
         self.name = name
         self.graph: _Graph | None = None
@@ -135,24 +145,32 @@ class CompiledGraphTransport:
         if teardown is not None:  # compiling on actors still in a teardown is not safe
             await asyncio.wait({teardown}, timeout=TEARDOWN_WAIT_S)
         try:
+            await asyncio.wait_for(_graph_thread_call(handle), self.probe_timeout_s)
+        except Exception as err:  # TimeoutError included
+            self._fall_back(f"the worker's graph thread does not answer (held by an earlier "
+                            f"controller's graph?): {type(err).__name__}: {err}")
+            return
+        try:
             # On the event loop: Ray binds the asyncio graph to the loop that compiles it.
             # It blocks the loop for the set-up calls (a fraction of a second, once per
-            # worker start), on a worker that has just answered `info`.
+            # worker start), on a worker that has just answered twice.
             dag = self.compile_graph(handle, incarnation)
         except Exception as err:
             self._fall_back(f"compiling failed: {type(err).__name__}: {err}")
             return
         graph = _Graph(dag)
-        try:
+        start = time.perf_counter()
+        try:  # the first step starts the worker's loop: a second or so on a busy machine
             await asyncio.wait_for(graph.send(StepPlan(step_id=PROBE_STEP_ID)),
-                                   self.probe_timeout_s)
+                                   self.first_step_timeout_s)
         except Exception as err:  # TimeoutError included
             self._teardown = graph.teardown()
-            self._fall_back(f"the graph's probe step failed: {type(err).__name__}: {err}")
+            self._fall_back(f"the graph's first step failed: {type(err).__name__}: {err}")
             return
         self.graph, self.fallback_reason = graph, None
         self.num_builds += 1
-        logger.info("%s: steps go through a compiled graph", self.name)
+        logger.info("%s: steps go through a compiled graph (probe step %.3f s)", self.name,
+                    time.perf_counter() - start)
 
     def close(self) -> None:
         graph, self.graph = self.graph, None
@@ -258,6 +276,16 @@ class _Graph:
         return done
 
 
+def _graph_thread_call(handle: Any) -> Any:
+    """A call that does nothing on the thread a graph's loop would run on."""
+    call = handle.__ray_call__.options(concurrency_group=GRAPH_THREAD_GROUP)
+    return call.remote(_nothing)
+
+
+def _nothing(actor: Any) -> None:
+    pass
+
+
 def _graph_loop_ref(dag: Any) -> Any:
     """The object ref of the graph's loop on the worker, which fails as soon as the actor
     dies; Ray exposes no public handle for it. None: steps to a dead worker then end at
@@ -285,7 +313,8 @@ def _set_done(future: asyncio.Future[None]) -> None:
 
 
 def make_transport(kind: str, handle: Any, incarnation: str, probe_timeout_s: float,
-                   name: str = "worker") -> WorkerTransport:
+                   first_step_timeout_s: float, name: str = "worker") -> WorkerTransport:
     if kind == COMPILED_GRAPH:
-        return CompiledGraphTransport(handle, incarnation, probe_timeout_s, name=name)
+        return CompiledGraphTransport(handle, incarnation, probe_timeout_s,
+                                      first_step_timeout_s, name=name)
     return ActorCallTransport(handle, incarnation)

@@ -351,6 +351,7 @@ class WorkerSlot:
             "worker": self.index, "device": self.info.device, "pid": self.info.pid,
             "incarnation": self.info.incarnation, "is_up": self.core.workers[self.index].is_up,
             "transport": self.transport.kind,
+            "transport_fallback": self.transport.fallback_reason,
             "num_hangs": self.num_hangs,
             **dataclasses.asdict(self.core.worker_stats(self.index)),
             "num_routed": self.num_routed, "num_loop_steps": self.num_steps,
