@@ -126,7 +126,6 @@ class CompiledGraphTransport:
         self.name = name
         self.graph: _Graph | None = None
         self.fallback_reason: str | None = None  # why steps go by actor call, if they do
-        self.num_builds = 0  # graphs built and answering
         self._teardown: asyncio.Future[None] | None = None
         self._has_warned = False
 
@@ -168,8 +167,7 @@ class CompiledGraphTransport:
             self._fall_back(f"the graph's first step failed: {type(err).__name__}: {err}")
             return
         self.graph, self.fallback_reason = graph, None
-        self.num_builds += 1
-        logger.info("%s: steps go through a compiled graph (probe step %.3f s)", self.name,
+        logger.info("%s: steps go through a compiled graph (first step %.3f s)", self.name,
                     time.perf_counter() - start)
 
     def close(self) -> None:

@@ -2,6 +2,8 @@
 
 One step: `core.begin_step` (flow control sees every `chunk_complete` and `cache_evict`
 before it plans), await `execute` on the actor, `core.finish_step`, deliver the deltas.
+How the plan reaches the actor (a Ray actor call, or a compiled graph) is the slot's
+`transport` (controller/transport.py).
 The loop parks on `wake` when there is nothing to send the worker; everything that can
 create work (a new request, an abort) calls `notify()`. `parked` is set only while the
 loop waits and nobody has notified it since, which is what the integrity check needs to
