@@ -15,7 +15,8 @@
    (benchmarks/standin_worker.py) that runs no model and answers every step after 3 ms,
    the step a 1B model should take on a GPU: the controller's and Ray's share of such a step
    (goal: under 10 %), stepping one step at a time and with `scheduler.async_scheduling`,
-   3 interleaved rounds, the median reported.
+   each through both worker transports (`cluster.worker_transport`: an actor call per step,
+   a Ray Compiled Graph), 3 interleaved rounds, the median reported.
 Writes benchmarks/results/cluster.json.
 """
 
@@ -39,6 +40,7 @@ from controller.messages import SamplingParams
 RESULTS = Path(__file__).resolve().parent / "results" / "cluster.json"
 WARMUP_STEPS = 5
 STANDIN_ROUNDS = 3
+STANDIN_TRANSPORTS = ("actor_call", "compiled_graph")  # cluster.worker_transport
 
 
 def prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -82,10 +84,12 @@ def step_overhead(handle: Any, client: Any, vocab: int, num_running: int,
             "controller_cpu_ms": 1e3 * (wall - call), "transport_ms": 1e3 * (call - compute)}
 
 
-def standin_overhead(config: TokenflowConfig, decode_steps: int) -> dict[str, Any]:
+def standin_overhead(config: TokenflowConfig, decode_steps: int,
+                     rounds: int = STANDIN_ROUNDS) -> dict[str, Any]:
     """Section 3: a second controller (own namespace) whose worker is the 3 ms stand-in,
     stepping one step at a time and with async scheduling (the next step planned and sent
-    while the current one runs), side by side."""
+    while the current one runs), each with both worker transports (one actor call per
+    step, a compiled graph), side by side."""
     import dataclasses
 
     import ray
@@ -95,41 +99,55 @@ def standin_overhead(config: TokenflowConfig, decode_steps: int) -> dict[str, An
     from controller.actor import get_or_create_controller
 
     base = config.controller_options()
-    runs: dict[str, list[list[dict[str, float]]]] = {"sync": [], "async_scheduling": []}
-    for _ in range(STANDIN_ROUNDS):  # interleaved: the machine's noise hits both modes
-        for mode, is_async in (("sync", False), ("async_scheduling", True)):
-            options = dataclasses.replace(
-                base, worker_cls="benchmarks.standin_worker:StandInWorkerActor",
-                cluster=dataclasses.replace(
-                    base.cluster, namespace=f"{config.cluster.namespace}-standin-{mode}",
-                    worker_num_cpus=0.01),  # it sleeps: no CPU to reserve
-                worker=dataclasses.replace(base.worker, telemetry=False),
-                auto_budget=None,  # nothing to calibrate: the stand-in's step is fixed
-                scheduler=dataclasses.replace(base.scheduler, async_scheduling=is_async))
-            handle = get_or_create_controller(options)
-            try:
-                client = RayControllerClient(handle)
-                vocab = ray.get(handle.model_info.remote())["vocab_size"]
-                rows = [step_overhead(handle, client, vocab, n, decode_steps)
-                        for n in (16, config.scheduler.max_num_seqs)]
-            finally:
-                ray.kill(handle)
-            for row in rows:
-                row["overhead_share_of_step"] = row["overhead_ms"] / row["step_wall_ms"]
-            runs[mode].append(rows)
+    modes = (("sync", False), ("async_scheduling", True))
+    runs: dict[tuple[str, str], list[list[dict[str, Any]]]] = {
+        (t, m): [] for t in STANDIN_TRANSPORTS for m, _ in modes}
+    for _ in range(rounds):  # interleaved: the machine's noise hits every variant
+        for transport in STANDIN_TRANSPORTS:
+            for mode, is_async in modes:
+                options = dataclasses.replace(
+                    base, worker_cls="benchmarks.standin_worker:StandInWorkerActor",
+                    cluster=dataclasses.replace(
+                        base.cluster,
+                        namespace=f"{config.cluster.namespace}-standin-{mode}-{transport}",
+                        worker_num_cpus=0.01,  # it sleeps: no CPU to reserve
+                        worker_transport=transport),
+                    worker=dataclasses.replace(base.worker, telemetry=False),
+                    auto_budget=None,  # nothing to calibrate: the stand-in's step is fixed
+                    scheduler=dataclasses.replace(base.scheduler, async_scheduling=is_async))
+                handle = get_or_create_controller(options)
+                try:
+                    client = RayControllerClient(handle)
+                    vocab = ray.get(handle.model_info.remote())["vocab_size"]
+                    used = ray.get(handle.stats.remote())["workers"][0]["transport"]
+                    rows = [step_overhead(handle, client, vocab, n, decode_steps)
+                            for n in (16, config.scheduler.max_num_seqs)]
+                finally:
+                    # The stand-in is a detached worker: it must go with its controller.
+                    ray.get(handle.shutdown.remote())
+                    ray.kill(handle)
+                for row in rows:
+                    row["overhead_share_of_step"] = row["overhead_ms"] / row["step_wall_ms"]
+                    row["transport"] = used  # compiled_graph may have fallen back
+                runs[transport, mode].append(rows)
 
-    def median_rows(mode: str) -> list[dict[str, Any]]:
+    def median_rows(transport: str, mode: str) -> list[dict[str, Any]]:
         """Per running count, the round with the median share, and every round's share."""
         out = []
-        for i in range(len(runs[mode][0])):
-            rounds = sorted((r[i] for r in runs[mode]), key=lambda r: r["overhead_share_of_step"])
-            out.append({**rounds[len(rounds) // 2],
-                        "share_per_round": [r["overhead_share_of_step"] for r in rounds]})
+        per_round = runs[transport, mode]
+        for i in range(len(per_round[0])):
+            ranked = sorted((r[i] for r in per_round),
+                            key=lambda r: r["overhead_share_of_step"])
+            out.append({**ranked[len(ranked) // 2],
+                        "share_per_round": [r["overhead_share_of_step"] for r in ranked]})
         return out
 
-    return {"worker_step_ms": STEP_S * 1e3, "target_share": 0.10, "rounds": STANDIN_ROUNDS,
-            "steps": median_rows("sync"),
-            "steps_async_scheduling": median_rows("async_scheduling")}
+    by_transport = {t: {"steps": median_rows(t, "sync"),
+                        "steps_async_scheduling": median_rows(t, "async_scheduling")}
+                    for t in STANDIN_TRANSPORTS}
+    # The default transport's rows at the top level, where earlier results have them.
+    return {"worker_step_ms": STEP_S * 1e3, "target_share": 0.10, "rounds": rounds,
+            **by_transport["actor_call"], "transports": by_transport}
 
 
 def http_workload(url: str, model: str, batch: list[list[int]], max_tokens: int) -> int:

@@ -47,6 +47,7 @@ from controller.policies import make_scheduler_class
 from controller.request import Request, RequestOutput, RequestStatus
 from controller.request_metrics import QUEUE_FULL, MetricsSnapshot, RequestMetrics
 from controller.streams import Subscriber
+from controller.transport import make_transport
 from controller.worker_loop import WorkerSlot
 
 logger = logging.getLogger(__name__)
@@ -204,12 +205,21 @@ class ControllerActor:
             cost_model=opts.cost_model, degraded_config=opts.degraded,
             scheduler_cls=make_scheduler_class(opts.scheduler.scheduling_policy),
             step_cost=opts.step_cost, itl_slo_s=opts.itl_slo_s)
+        cluster = opts.cluster
         self.slots = [WorkerSlot(w, h, info, self.core, self._deliver, kill=self.kill_worker,
-                                 recovery=opts.recovery)
+                                 recovery=opts.recovery,
+                                 transport=make_transport(
+                                     cluster.worker_transport, h, info.incarnation,
+                                     cluster.compiled_graph_probe_s,
+                                     opts.recovery.ready_timeout_s, name=f"worker {w}"))
                       for w, (h, info) in enumerate(zip(handles, infos, strict=True))]
         for slot in self.slots:
             slot.on_requests_moved = self._wake_workers
             slot.on_step = self._on_step
+        # After `reset` and the budget table (ordinary calls): a graph would run steps
+        # beside them. Compiling is sequential, the probes overlap.
+        await asyncio.gather(*(s.transport.reopen(s.handle, s.info.incarnation)
+                               for s in self.slots))
         self._restore(records)
         for slot in self.slots:
             slot.start()
@@ -566,6 +576,7 @@ class ControllerActor:
         for slot in self.slots:
             if slot.task is not None:
                 slot.task.cancel()
+            slot.transport.close()
         for slot in self.slots:
             _kill_for_good(slot.handle)
         if not self.slots:  # not started (yet) in this incarnation: find them by name

@@ -2,6 +2,8 @@
 
 One step: `core.begin_step` (flow control sees every `chunk_complete` and `cache_evict`
 before it plans), await `execute` on the actor, `core.finish_step`, deliver the deltas.
+How the plan reaches the actor (a Ray actor call, or a compiled graph) is the slot's
+`transport` (controller/transport.py).
 The loop parks on `wake` when there is nothing to send the worker; everything that can
 create work (a new request, an abort) calls `notify()`. `parked` is set only while the
 loop waits and nobody has notified it since, which is what the integrity check needs to
@@ -34,6 +36,7 @@ from controller.core import ControllerCore
 from controller.messages import FinishReason, StepPlan, StepResult
 from controller.request import RequestOutput
 from controller.settings import FORBID_EXTRA, check_settings, setting
+from controller.transport import ActorCallTransport, WorkerTransport
 
 logger = logging.getLogger(__name__)
 # Step records kept for stats and the overhead benchmark; older ones are dropped.
@@ -79,10 +82,13 @@ class WorkerSlot:
     def __init__(self, index: int, handle: Any, info: Any, core: ControllerCore,
                  deliver: Callable[[list[RequestOutput]], None],
                  kill: Callable[[Any], None] | None = None,
-                 recovery: RecoveryConfig | None = None) -> None:
+                 recovery: RecoveryConfig | None = None,
+                 transport: WorkerTransport | None = None) -> None:
         self.index = index
         self.handle = handle  # the worker actor
         self.info = info  # its WorkerInfo
+        # How plans reach it (controller/transport.py); the caller `reopen`s it first.
+        self.transport = transport or ActorCallTransport(handle, info.incarnation)
         self.core = core
         self.deliver = deliver
         # Kills the worker's process so that it restarts (Ray: `ray.kill(h, no_restart=False)`).
@@ -277,6 +283,9 @@ class WorkerSlot:
         state.scheduler.forget_worker_state()
         self.core.reset_prefix_cache(self.index)
         self.deliver(failed)
+        # A step sent before the failure may still run, on another thread of the worker
+        # with a compiled graph: the reset must come after it.
+        await self.transport.drain(self.recovery.ready_timeout_s)
         await self._call_worker(self.handle.reset.remote, self.recovery.ready_timeout_s,
                                 "reset after a controller error")
 
@@ -290,14 +299,9 @@ class WorkerSlot:
         self._ahead = (plan, self._send(plan), start)
 
     def _send(self, plan: StepPlan) -> Awaitable[StepResult]:
-        """Submit `plan` to the worker. Ray may refuse a call at once: that is the worker's
-        failure too, raised where the call is awaited (`_call_worker`)."""
-        try:
-            return self.handle.execute.remote(plan, self.info.incarnation)
-        except Exception as err:
-            refused = asyncio.get_running_loop().create_future()
-            refused.set_exception(err)
-            return refused
+        """Submit `plan` to the worker. A failure to submit is the worker's failure too,
+        raised where the call is awaited (`_call_worker`)."""
+        return self.transport.send(plan)
 
     def _deadline_s(self, plan: Any) -> float:
         cfg = self.recovery
@@ -319,6 +323,7 @@ class WorkerSlot:
         self.deliver(aborted)
         self.on_requests_moved(moved_to)
         self.kill(self.handle)
+        self.transport.close()  # a compiled graph dies with the worker's process
         backoff = Backoff(self.recovery.restart_backoff_s, self.recovery.restart_backoff_max_s)
         while True:
             try:
@@ -334,6 +339,7 @@ class WorkerSlot:
                                type(err).__name__, err)
             await asyncio.sleep(backoff.next_s())  # a retry interval, not synchronisation
         self.info = info
+        await self.transport.reopen(self.handle, info.incarnation)
         self.core.worker_ready(self.index)
         self.up.set()
         logger.warning("worker %d is back (pid %s)", self.index, info.pid)
@@ -345,6 +351,8 @@ class WorkerSlot:
         return {
             "worker": self.index, "device": self.info.device, "pid": self.info.pid,
             "incarnation": self.info.incarnation, "is_up": self.core.workers[self.index].is_up,
+            "transport": self.transport.kind,
+            "transport_fallback": self.transport.fallback_reason,
             "num_hangs": self.num_hangs,
             **dataclasses.asdict(self.core.worker_stats(self.index)),
             "num_routed": self.num_routed, "num_loop_steps": self.num_steps,

@@ -6,7 +6,9 @@ worker is killed with SIGKILL, three times in the controller's life: every strea
 with a finish reason and exactly the reference's token ids (the dead worker's requests are
 recomputed on the other one and continue without a gap or a duplicate). Afterwards a
 request whose prefix was cached before a crash returns the very same tokens: a restarted
-worker's KV is zeros, and a pool that kept its prefix hashes would serve them.
+worker's KV is zeros, and a pool that kept its prefix hashes would serve them. Run with
+each worker transport: with a compiled graph, the dead worker's graph is torn down and a
+new one is built for the restarted worker.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ PROMPTS = [[(7 * i + 13 * j + 3) % 500 + 1 for i in range(17 + 3 * j)] for j in 
 CACHED_PROMPT = [(5 * i + 1) % 400 + 1 for i in range(41)]  # 5 full blocks of 8
 
 
-@pytest.fixture(scope="module")
-def controller(cluster):
+@pytest.fixture(scope="module", params=["actor_call", "compiled_graph"])
+def controller(cluster, request):
     import ray
 
     from controller.actor import get_or_create_controller
@@ -37,8 +39,9 @@ def controller(cluster):
         worker={"model": "builtin:tiny", "num_workers": 2},
         cache={"block_size": 8, "num_kv_blocks": 256, "enable_prefix_caching": True},
         scheduler={"max_num_batched_tokens": 64},
-        cluster={"namespace": "tokenflow-restart", "worker_num_cpus": 0.5,
-                 "controller_num_cpus": 0.1, "worker_max_restarts": -1})
+        cluster={"namespace": f"tokenflow-restart-{request.param}", "worker_num_cpus": 0.5,
+                 "controller_num_cpus": 0.1, "worker_max_restarts": -1,
+                 "worker_transport": request.param})
     controller = get_or_create_controller(config.controller_options())
     ray.get(controller.model_info.remote(), timeout=120)
     yield controller
@@ -59,6 +62,7 @@ async def _kill_worker(controller, worker: int) -> None:
 
 async def run_scenario(controller) -> None:
     client = RayControllerClient(controller)
+    transports = [w["transport"] for w in (await controller.stats.remote())["workers"]]
     reference = await run_streams(client, PROMPTS, PARAMS, "ref")
     assert all(r.finish_reason == "length" and r.error is None
                and len(r.token_ids) == PARAMS.max_tokens for r in reference)
@@ -82,6 +86,8 @@ async def run_scenario(controller) -> None:
         stats = await controller.stats.remote()
         assert stats["workers"][worker]["num_failures"] == before["num_failures"] + 1
         assert stats["workers"][worker]["pid"] not in pids
+        # Back on the transport it started with (a new graph for the new process).
+        assert stats["workers"][worker]["transport"] == transports[worker]
 
     health = await controller.ping.remote()
     assert health["ok"] and health["num_workers_up"] == 2
@@ -90,4 +96,8 @@ async def run_scenario(controller) -> None:
 
 
 def test_worker_sigkill_mid_stream_loses_nothing_and_changes_nothing(controller):
+    import ray
+
+    workers = ray.get(controller.stats.remote(), timeout=30)["workers"]
+    assert all(w["transport_fallback"] is None for w in workers), workers  # as configured
     asyncio.run(asyncio.wait_for(run_scenario(controller), 900))
