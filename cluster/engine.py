@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from controller.budget import BudgetTable
 from controller.core import ControllerCore, PoolSpec
+from controller.gc_freeze import freeze_long_lived
 from controller.messages import SamplingParams, StepPlan, StepResult
 from controller.policies import make_scheduler_class
 from controller.request import RequestOutput
@@ -74,6 +75,7 @@ class LocalEngine:
         self._pending: dict[str, deque[RequestOutput]] = defaultdict(deque)
         self.step_log: list[tuple[StepPlan, StepResult]] = []  # kept only when asked
         self.keep_step_log = False
+        freeze_long_lived("LocalEngine")  # no full collection of the model mid-step
 
     @property
     def scheduler(self):  # the single worker's scheduler

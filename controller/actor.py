@@ -40,6 +40,7 @@ import ray
 
 from controller.budget import AutoBudgetResult, BudgetTable
 from controller.core import ControllerCore, NoWorkerUpError, PoolSpec, QueueFullError
+from controller.gc_freeze import freeze_long_lived
 from controller.journal import Journal, JournalRecord
 from controller.messages import Ack, DeltaBatch, FinishReason, SamplingParams, StepResult
 from controller.options import ControllerOptions
@@ -221,6 +222,7 @@ class ControllerActor:
         await asyncio.gather(*(s.transport.reopen(s.handle, s.info.incarnation)
                                for s in self.slots))
         self._restore(records)
+        freeze_long_lived("controller")  # no full collection of Ray's objects mid-step
         for slot in self.slots:
             slot.start()
         logger.info("controller started with %d workers on %s, %d requests resumed from the "

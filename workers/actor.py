@@ -15,6 +15,7 @@ import uuid
 from dataclasses import dataclass
 
 from controller.budget import AutoBudget, AutoBudgetResult
+from controller.gc_freeze import freeze_long_lived
 from controller.messages import StepPlan, StepResult
 
 
@@ -59,6 +60,7 @@ class WorkerActor:
         self.num_steps = 0
         self.incarnation = uuid.uuid4().hex
         self.model, self.dtype = model, dtype  # as configured: the budget cache's spec
+        freeze_long_lived("worker")  # no full collection of torch's objects mid-step
 
     def info(self) -> WorkerInfo:
         import torch
