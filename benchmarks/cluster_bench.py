@@ -40,6 +40,8 @@ from controller.messages import SamplingParams
 RESULTS = Path(__file__).resolve().parent / "results" / "cluster.json"
 WARMUP_STEPS = 5
 STANDIN_ROUNDS = 3
+# 128 submit calls take ~0.1-0.3 s, 20-60 stand-in steps: the outputs must outlast them.
+STANDIN_ARRIVAL_STEPS = 100
 STANDIN_TRANSPORTS = ("actor_call", "compiled_graph")  # cluster.worker_transport
 
 
@@ -59,12 +61,15 @@ async def run_streams(client: Any, batch: list[list[int]], params: SamplingParam
 
 
 def step_overhead(handle: Any, client: Any, vocab: int, num_running: int,
-                  decode_steps: int) -> dict[str, float]:
+                  decode_steps: int, arrival_steps: int = 0) -> dict[str, float]:
+    """`arrival_steps`: steps the submissions may spread over (against a 3 ms stand-in
+    step, N submit calls take longer than the first requests' outputs would last)."""
     import ray
 
     # Admission takes about N / max_concurrent_chunks steps; every request must still be
     # decoding for warm-up + measured steps after the last one is admitted.
     admit_steps = num_running // TokenflowConfig().scheduler.max_concurrent_chunks + 1
+    admit_steps += arrival_steps
     params = SamplingParams(max_tokens=admit_steps + WARMUP_STEPS + decode_steps + 1,
                             temperature=0.0, ignore_eos=True)
     asyncio.run(run_streams(client, prompts(num_running, 16, vocab, num_running), params))
@@ -120,7 +125,8 @@ def standin_overhead(config: TokenflowConfig, decode_steps: int,
                     client = RayControllerClient(handle)
                     vocab = ray.get(handle.model_info.remote())["vocab_size"]
                     used = ray.get(handle.stats.remote())["workers"][0]["transport"]
-                    rows = [step_overhead(handle, client, vocab, n, decode_steps)
+                    rows = [step_overhead(handle, client, vocab, n, decode_steps,
+                                          STANDIN_ARRIVAL_STEPS)
                             for n in (16, config.scheduler.max_num_seqs)]
                 finally:
                     # The stand-in is a detached worker: it must go with its controller.
