@@ -21,14 +21,14 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
 
-    @property
-    def is_finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+    # Plain attributes set once per member (read for every request every step: an enum
+    # property with a membership test and a FinishReason lookup cost ~1 us each).
+    is_finished: bool
+    finish_reason: FinishReason | None
 
-    @property
-    def finish_reason(self) -> FinishReason | None:
-        return FinishReason(self.value) if self.is_finished else None
+    def __init__(self, value: str) -> None:
+        self.is_finished = value in ("stop", "length", "abort")
+        self.finish_reason = FinishReason(value) if self.is_finished else None
 
 
 @dataclass
@@ -80,8 +80,12 @@ class Request:
 
     @property
     def is_decoding(self) -> bool:
-        """Exactly one token is not computed yet: the last sampled (or pending) one."""
-        return self.num_outputs_planned > 0 and self.num_tokens_to_compute == 1
+        """Exactly one token is not computed yet: the last sampled (or pending) one.
+        (num_outputs_planned > 0 and num_tokens_to_compute == 1, inlined: it is asked of
+        every running request every step.)"""
+        num_planned = len(self.output_token_ids) + self.num_pending_outputs
+        return num_planned > 0 and \
+            len(self.prompt_token_ids) + num_planned - self.num_computed_tokens == 1
 
     @property
     def is_done_when_pending_land(self) -> bool:
