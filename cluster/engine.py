@@ -46,7 +46,8 @@ class LocalEngine:
         self.worker = Worker(wcfg.model, num_kv_blocks=cache.num_kv_blocks,
                              block_size=cache.block_size, dtype=wcfg.dtype, seed=wcfg.seed,
                              device=wcfg.device, attention_backend=wcfg.attention_backend,
-                             cuda_graphs=wcfg.cuda_graphs, max_graph_batch=wcfg.max_graph_batch)
+                             cuda_graphs=wcfg.cuda_graphs, max_graph_batch=wcfg.max_graph_batch,
+                             num_threads=wcfg.num_threads)
         if wcfg.telemetry:
             from workers.telemetry import make_source
 

@@ -60,9 +60,10 @@ class WorkerConfig:
     max_graph_batch: int = setting(256, ge=1, description=(
         "Largest decode batch replayed from a CUDA graph; larger ones run eagerly."))
     num_threads: int | None = setting(None, ge=0, description=(
-        "torch intra-op threads of a CPU worker actor. None: as many as the CPUs Ray "
-        "reserves for it (cluster.worker_num_cpus rounded down, at least 1: Ray's "
-        "OMP_NUM_THREADS); 0: every core its process may run on, as LocalEngine uses."))
+        "torch intra-op threads of a CPU worker (actor or LocalEngine). None: the "
+        "process's default: as many as the CPUs Ray reserves for an actor "
+        "(cluster.worker_num_cpus rounded down, at least 1: Ray's OMP_NUM_THREADS), one "
+        "per core in LocalEngine; 0: every core the process may run on."))
 
     def __post_init__(self) -> None:
         check_settings(self)

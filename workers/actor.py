@@ -54,7 +54,7 @@ class WorkerActor:
                              dtype=dtype, seed=seed, device=_resolve_device(device),
                              attention_backend=attention_backend, cuda_graphs=cuda_graphs,
                              max_graph_batch=max_graph_batch,
-                             num_threads=_resolve_threads(num_threads))
+                             num_threads=num_threads)
         if telemetry:
             self.worker.telemetry = make_source(str(self.worker.device), peak_bandwidth_bytes_s)
         self.num_steps = 0
@@ -112,10 +112,3 @@ def _resolve_device(device: str) -> str:
 
     return "cuda" if torch.cuda.is_available() else "cpu"
 
-
-def _resolve_threads(num_threads: int | None) -> int | None:
-    """0: every core this process may run on (Ray pins OMP_NUM_THREADS to the reserved
-    CPUs otherwise); None leaves that setting."""
-    if num_threads == 0:
-        return len(os.sched_getaffinity(0))
-    return num_threads

@@ -26,6 +26,7 @@ A chunk's `bytes_moved` uses the same terms for its own tokens plus its pro-rata
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -95,17 +96,21 @@ class Worker:
         max_graph_batch: int = 256,
     ) -> None:
         """`num_threads`: torch intra-op threads (process-wide) for CPU execution; None keeps
-        torch's default of one per core. On a shared machine fewer threads than cores is often
-        faster: every parallel region waits for its slowest, possibly descheduled, thread.
+        the process's default (torch's one per core, or Ray's reserved CPUs in an actor), 0
+        takes every core the process may run on. On a shared machine fewer threads than cores
+        is often faster: every parallel region waits for its slowest, possibly descheduled,
+        thread.
 
         `attention_backend`: "auto" (triton on CUDA, torch on CPU), "torch" or "triton"
         (workers/attention). `cuda_graphs`: replay decode-only steps of up to `max_graph_batch`
         sequences from CUDA graphs (workers/cuda_graphs.py); only where the device is CUDA
         and the backend capturable (triton), ignored elsewhere."""
         if num_threads is not None:
-            if num_threads < 1:
-                raise ValueError(f"num_threads must be >= 1, got {num_threads}")
-            torch.set_num_threads(num_threads)
+            if num_threads < 0:
+                raise ValueError(f"num_threads must be >= 0, got {num_threads}")
+            # 0: every core this process may run on (Ray pins OMP_NUM_THREADS to an
+            # actor's reserved CPUs otherwise).
+            torch.set_num_threads(num_threads or len(os.sched_getaffinity(0)))
         # "auto" and "cuda" both fall back to CPU where no GPU is present.
         use_cuda = device in ("auto", "cuda") or device.startswith("cuda:")
         use_cuda = use_cuda and torch.cuda.is_available()
