@@ -10,6 +10,10 @@ run as:
 - `job_jsonl`, `job_parquet`, `job_ray_data`: `ray job submit` of `python -m cluster.batch` on
   a Ray head this script starts (loopback, free ports) and stops by pid; the job starts its
   own controller with one worker, as in the README recipe;
+- `job_one_worker_thread` against `local_one_thread`: the same JSONL job and LocalEngine
+  with one torch thread each (`worker.num_threads=1`): on a 2-core machine the job's driver
+  and controller otherwise share the worker's second core, so this pair isolates what the
+  Ray path itself costs;
 - `transformers_static`: `LlamaForCausalLM.generate` over static batches (left-padded), each
   to its longest request; tokens past a request's `max_tokens` do not count. It runs the
   first `--hf-requests` requests only (default 256: 8 batches; the whole input would take
@@ -46,6 +50,9 @@ RAY = str(ROOT / ".venv" / "bin" / "ray")
 # static batches run to their longest request, continuous batching refills the slot.
 MIN_TOKENS, MAX_TOKENS, MEDIAN_TOKENS = 8, 128, 32
 HF_BATCH = 32
+# The Ray path alone: the job's worker and LocalEngine each on one torch thread, so that on
+# two cores the job's driver and controller do not take the worker's second core.
+ONE_THREAD = {"TOKENFLOW_WORKER__NUM_THREADS": "1"}
 
 
 def free_port() -> int:
@@ -90,11 +97,12 @@ def summary_at(path: str) -> dict[str, Any]:
     return json.loads(Path(path).read_text())
 
 
-def run_local(jsonl: Path, folder: Path, model: str) -> dict[str, Any]:
-    out = str(folder / "local.jsonl")
+def run_local(jsonl: Path, folder: Path, model: str, name: str = "local",
+              env: dict[str, str] | None = None) -> dict[str, Any]:
+    out = str(folder / f"{name}.jsonl")
     subprocess.run([PY, "-m", "cluster.batch", "-i", str(jsonl), "-o", out, "--local",
                     "--model", model, "--no-progress"], cwd=ROOT, check=True,
-                   capture_output=True, timeout=1800)
+                   capture_output=True, timeout=1800, env=dict(os.environ, **(env or {})))
     return summary_at(out + ".summary.json")
 
 
@@ -124,8 +132,8 @@ class Head:
                     self.proc.wait(timeout=0.5)
         raise TimeoutError("Ray head did not come up")
 
-    def submit(self, model: str, *args: str) -> None:
-        runtime_env = json.dumps({"py_executable": PY})
+    def submit(self, model: str, *args: str, env: dict[str, str] | None = None) -> None:
+        runtime_env = json.dumps({"py_executable": PY, "env_vars": env or {}})
         subprocess.run([RAY, "job", "submit", "--address",
                         f"http://127.0.0.1:{self.dashboard}", "--working-dir", ".",
                         "--runtime-env-json", runtime_env, "--", PY, "-m", "cluster.batch",
@@ -217,14 +225,22 @@ def main(argv: list[str] | None = None) -> int:
             head.submit(args.model, "-i", str(parquet), "-o", str(folder / "shards"), "--ray-data",
                         "--rows-per-shard", "500", "--no-progress")
             report["job_ray_data"] = summary_at(str(folder / "shards" / "summary.json"))
+            head.submit(args.model, "-i", str(jsonl), "-o", str(folder / "job_t1.jsonl"),
+                        "--no-progress", env=ONE_THREAD)
+            report["job_one_worker_thread"] = summary_at(
+                str(folder / "job_t1.jsonl.summary.json"))
         finally:
             head.stop()
+        report["local_one_thread"] = run_local(jsonl, folder, args.model, "local_t1",
+                                               ONE_THREAD)
     report["transformers_static"] = run_transformers(texts[:args.hf_requests], args.model)
     local, job, hf = report["local"], report["job_jsonl"], report["transformers_static"]
     for suffix, key in (("", "tokens_per_s"), ("_after_startup", "tokens_per_s_after_startup")):
         report[f"job_vs_local{suffix}"] = round(job[key] / local[key], 3)
         report[f"job_vs_transformers_static{suffix}"] = round(job[key] / hf[key], 3)
         report[f"local_vs_transformers_static{suffix}"] = round(local[key] / hf[key], 3)
+        report[f"job_vs_local_one_worker_thread{suffix}"] = round(
+            report["job_one_worker_thread"][key] / report["local_one_thread"][key], 3)
     report["targets"] = {"job_vs_local": {"goal": 0.8, "met": report["job_vs_local"] >= 0.8},
                          "job_vs_transformers_static": {
                              "goal": 3.0, "met": report["job_vs_transformers_static"] >= 3.0}}
