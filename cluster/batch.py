@@ -147,13 +147,9 @@ def config_from_args(args: argparse.Namespace) -> TokenflowConfig:
 def offline_budget(config: TokenflowConfig, budget_set: bool) -> TokenflowConfig:
     """An offline job's step: batch.max_num_batched_tokens unless the budget was set
     (flag, env, budget file), and batch.max_concurrent_chunks unless the chunk
-    limit was set (env); its worker's threads: batch.worker_num_threads unless
-    worker.num_threads is set. The calibrated table recommends a budget for the ITL SLO, which no
+    limit was set (env). The calibrated table recommends a budget for the ITL SLO, which no
     one waits on here, so auto calibration does not override it."""
-    scheduler, worker = config.scheduler, config.worker
-    if worker.num_threads is None and config.batch.worker_num_threads is not None:
-        worker = dataclasses.replace(worker, num_threads=config.batch.worker_num_threads)
-        config = config.model_copy(update={"worker": worker})
+    scheduler = config.scheduler
     if CHUNKS_ENV not in os.environ:
         scheduler = dataclasses.replace(
             scheduler, max_concurrent_chunks=config.batch.max_concurrent_chunks)

@@ -28,10 +28,12 @@ class BatchConfig:
         "job starts) unless scheduler.max_concurrent_chunks is set: every short prompt is "
         "a chunk, and the interactive limit would admit a batch of short prompts a few "
         "per step while the step budget sits unused."))
-    worker_num_threads: int | None = setting(0, ge=0, description=(
+    worker_num_threads: int | None = setting(-2, description=(
         "torch threads of the CPU worker that a job's own controller starts, unless "
-        "worker.num_threads is set: 0 uses every core of its node (an offline job is that "
-        "node's work, and LocalEngine does the same), None keeps worker.num_threads' "
+        "worker.num_threads is set, counted as worker.num_threads counts: the default -2 "
+        "is every core of its node but one (an offline job is that node's work; the one "
+        "left is the job's driver's and controller's: on 2 cores the job ran 11 % faster "
+        "with its worker on one thread than on two); None keeps worker.num_threads' "
         "default (the CPUs Ray reserves for the worker)."))
     ready_wait_s: float = setting(600.0, gt=0, description=(
         "How long a batch job on the cluster waits for the controller's workers to come up "
@@ -42,3 +44,5 @@ class BatchConfig:
 
     def __post_init__(self) -> None:
         check_settings(self)
+        if self.worker_num_threads == 0:
+            raise ValueError("batch.worker_num_threads must not be 0 (-1 means every core)")

@@ -51,7 +51,20 @@ def connect_controller(config: TokenflowConfig) -> Any:
     except ValueError:
         logger.warning("no %s in namespace %s: starting one for this job", CONTROLLER_NAME,
                        config.cluster.namespace)
-        return get_or_create_controller(config.controller_options())
+        return get_or_create_controller(own_controller_config(config).controller_options())
+
+
+def own_controller_config(config: TokenflowConfig) -> TokenflowConfig:
+    """The configuration of a controller this job starts for itself: its CPU worker takes
+    batch.worker_num_threads unless worker.num_threads is set (a serving cluster's
+    controller keeps its own)."""
+    import dataclasses
+
+    worker, threads = config.worker, config.batch.worker_num_threads
+    if worker.num_threads is not None or threads is None:
+        return config
+    return config.model_copy(
+        update={"worker": dataclasses.replace(worker, num_threads=threads)})
 
 
 def run_remote(lines: Iterable[str], out: TextIO, config: TokenflowConfig,

@@ -59,14 +59,18 @@ class WorkerConfig:
         "on first use); mixed steps run eagerly."))
     max_graph_batch: int = setting(256, ge=1, description=(
         "Largest decode batch replayed from a CUDA graph; larger ones run eagerly."))
-    num_threads: int | None = setting(None, ge=0, description=(
+    num_threads: int | None = setting(None, description=(
         "torch intra-op threads of a CPU worker (actor or LocalEngine). None: the "
         "process's default: as many as the CPUs Ray reserves for an actor "
         "(cluster.worker_num_cpus rounded down, at least 1: Ray's OMP_NUM_THREADS), one "
-        "per core in LocalEngine; 0: every core the process may run on."))
+        "per core in LocalEngine. Negative counts from the cores the process may run on, "
+        "as joblib does: -1 every core, -2 all but one; never fewer than one; 0 is "
+        "refused."))
 
     def __post_init__(self) -> None:
         check_settings(self)
+        if self.num_threads == 0:
+            raise ValueError("worker.num_threads must not be 0 (-1 means every core)")
 
     @property
     def model_name(self) -> str:

@@ -80,6 +80,16 @@ class RequestState:
         self._num_blocks = end
 
 
+def resolve_num_threads(num_threads: int) -> int:
+    """N > 0 threads as given; -1 every core this process may run on (Ray pins an actor
+    to its reserved CPUs otherwise), -2 all but one, ...; at least one."""
+    if num_threads == 0:
+        raise ValueError("num_threads must not be 0 (-1 means every core)")
+    if num_threads > 0:
+        return num_threads
+    return max(1, len(os.sched_getaffinity(0)) + 1 + num_threads)
+
+
 class Worker:
     def __init__(
         self,
@@ -96,8 +106,9 @@ class Worker:
         max_graph_batch: int = 256,
     ) -> None:
         """`num_threads`: torch intra-op threads (process-wide) for CPU execution; None keeps
-        the process's default (torch's one per core, or Ray's reserved CPUs in an actor), 0
-        takes every core the process may run on. On a shared machine fewer threads than cores
+        the process's default (torch's one per core, or Ray's reserved CPUs in an actor); a
+        negative count is relative to the cores the process may run on (-1: all, -2: all
+        but one), as joblib counts jobs. On a shared machine fewer threads than cores
         is often faster: every parallel region waits for its slowest, possibly descheduled,
         thread.
 
@@ -106,11 +117,7 @@ class Worker:
         sequences from CUDA graphs (workers/cuda_graphs.py); only where the device is CUDA
         and the backend capturable (triton), ignored elsewhere."""
         if num_threads is not None:
-            if num_threads < 0:
-                raise ValueError(f"num_threads must be >= 0, got {num_threads}")
-            # 0: every core this process may run on (Ray pins OMP_NUM_THREADS to an
-            # actor's reserved CPUs otherwise).
-            torch.set_num_threads(num_threads or len(os.sched_getaffinity(0)))
+            torch.set_num_threads(resolve_num_threads(num_threads))
         # "auto" and "cuda" both fall back to CPU where no GPU is present.
         use_cuda = device in ("auto", "cuda") or device.startswith("cuda:")
         use_cuda = use_cuda and torch.cuda.is_available()

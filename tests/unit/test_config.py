@@ -164,17 +164,28 @@ def test_batch_cli_sets_the_batch_section_and_the_offline_step(
     assert config.scheduler.max_concurrent_chunks == 8
 
 
-def test_a_batch_jobs_worker_uses_every_core_unless_worker_threads_are_set(
+def test_a_batch_jobs_own_worker_leaves_one_core_unless_worker_threads_are_set(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from cluster.batch import config_from_args, offline_budget, parse_args
+    from cluster.batch import config_from_args, parse_args
+    from cluster.remote_batch import own_controller_config
+    from workers.worker import resolve_num_threads
 
     args = parse_args(["-i", "in.jsonl", "-o", "out.jsonl"])
-    assert config_from_args(args).worker.num_threads == 0
+    assert config_from_args(args).worker.num_threads is None  # --local: torch's default
+    assert own_controller_config(config_from_args(args)).worker.num_threads == -2
+    cores = len(os.sched_getaffinity(0))
+    assert resolve_num_threads(-1) == cores and resolve_num_threads(3) == 3
+    assert resolve_num_threads(-2) == max(1, cores - 1)
+    assert resolve_num_threads(-1000) == 1
+    with pytest.raises(ValueError, match="0"):
+        resolve_num_threads(0)
+    with pytest.raises(ValueError, match="num_threads"):
+        TokenflowConfig(worker={"num_threads": 0})
     monkeypatch.setenv("TOKENFLOW_WORKER__NUM_THREADS", "1")
-    assert config_from_args(args).worker.num_threads == 1
+    assert own_controller_config(config_from_args(args)).worker.num_threads == 1
     monkeypatch.delenv("TOKENFLOW_WORKER__NUM_THREADS")
-    config = offline_budget(TokenflowConfig(batch={"worker_num_threads": None}), False)
-    assert config.worker.num_threads is None  # Ray's reserved CPUs
+    config = TokenflowConfig(batch={"worker_num_threads": None})
+    assert own_controller_config(config).worker.num_threads is None  # Ray's reserved CPUs
 
 
 def test_cli_options_nest() -> None:
