@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from controller.settings import FORBID_EXTRA, check_settings, setting
+from controller.settings import FORBID_EXTRA, check_settings, check_thread_count, setting
 
 
 @dataclass(frozen=True)
@@ -34,8 +34,8 @@ class BatchConfig:
         "is every core of its node but one (an offline job is that node's work; the one "
         "left is the job's driver's and controller's: on 2 cores the job ran as fast or "
         "faster with its worker on one thread than on two, 1,742 vs 1,570 tok/s in one "
-        "run); None keeps worker.num_threads' "
-        "default (the CPUs Ray reserves for the worker)."))
+        "run); None keeps worker.num_threads' default (the CPUs Ray reserves for the "
+        "worker)."))
     ready_wait_s: float = setting(600.0, gt=0, description=(
         "How long a batch job on the cluster waits for the controller's workers to come up "
         "(a job that starts its own controller loads the model first)."))
@@ -45,5 +45,4 @@ class BatchConfig:
 
     def __post_init__(self) -> None:
         check_settings(self)
-        if self.worker_num_threads == 0:
-            raise ValueError("batch.worker_num_threads must not be 0 (-1 means every core)")
+        check_thread_count("batch.worker_num_threads", self.worker_num_threads)

@@ -17,7 +17,7 @@ from controller.flow import FlowConfig
 from controller.journal import JournalConfig
 from controller.protections import CostModel, ProtectionConfig
 from controller.scheduler import SchedulerConfig
-from controller.settings import FORBID_EXTRA, check_settings, setting
+from controller.settings import FORBID_EXTRA, check_settings, check_thread_count, setting
 from controller.worker_loop import RecoveryConfig
 
 
@@ -69,8 +69,7 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         check_settings(self)
-        if self.num_threads == 0:
-            raise ValueError("worker.num_threads must not be 0 (-1 means every core)")
+        check_thread_count("worker.num_threads", self.num_threads)
 
     @property
     def model_name(self) -> str:

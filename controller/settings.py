@@ -42,3 +42,10 @@ def check_settings(config: Any) -> None:
             if key in f.metadata and not holds(value, f.metadata[key]):
                 raise ValueError(f"{type(config).__name__}.{f.name} must be {sign} "
                                  f"{f.metadata[key]}, got {value}")
+
+
+def check_thread_count(name: str, num_threads: int | None) -> None:
+    """A torch thread count as `worker.num_threads` counts them (N > 0 threads; -1 every
+    core, -2 all but one, ...; None the process's default): 0 means nothing."""
+    if num_threads == 0:
+        raise ValueError(f"{name} must not be 0 (-1 means every core)")

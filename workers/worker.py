@@ -43,6 +43,7 @@ from controller.messages import (
     StepPlan,
     StepResult,
 )
+from controller.settings import check_thread_count
 from workers.attention import HostStaging, SeqSpan, StepMetadata, allocate_kv_cache, make_backend
 from workers.cuda_graphs import DecodeGraphs
 from workers.loader import load_model, parse_dtype
@@ -83,8 +84,7 @@ class RequestState:
 def resolve_num_threads(num_threads: int) -> int:
     """N > 0 threads as given; -1 every core this process may run on (Ray pins an actor
     to its reserved CPUs otherwise), -2 all but one, ...; at least one."""
-    if num_threads == 0:
-        raise ValueError("num_threads must not be 0 (-1 means every core)")
+    check_thread_count("num_threads", num_threads)
     if num_threads > 0:
         return num_threads
     return max(1, len(os.sched_getaffinity(0)) + 1 + num_threads)
