@@ -112,6 +112,10 @@ class Head:
     def __init__(self) -> None:
         self.env = dict(os.environ, RAY_AUTH_MODE="token")
         self.env.pop("RAY_ADDRESS", None)
+        # As the README's recipe: a fresh machine has no ~/.ray/auth_token yet (an existing
+        # one is kept), and `ray start` with token auth refuses to run without one.
+        subprocess.run([RAY, "get-auth-token", "--generate"], cwd=ROOT, env=self.env,
+                       check=True, capture_output=True, timeout=120)
         self.dashboard = free_port()
         self.proc = subprocess.Popen(
             [RAY, "start", "--head", "--block", "--node-ip-address", "127.0.0.1",

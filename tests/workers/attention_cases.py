@@ -119,6 +119,7 @@ def reference_attention(case: Case) -> tuple[Tensor, Tensor, Tensor]:
 def torch_reference(case: Case) -> tuple[Tensor, Tensor, Tensor]:
     """The torch backend's output and written caches (the reference the kernels must equal)."""
     k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
-    step = TorchBackend(case.q.dtype).prepare(case.meta)
+    _, _, num_kv_heads, head_dim = case.k_cache.shape
+    step = TorchBackend(case.q.dtype, num_kv_heads, head_dim).prepare(case.meta)
     out = step.forward(case.q, case.k, case.v, (k_cache, v_cache), case.scale)
     return out, k_cache, v_cache

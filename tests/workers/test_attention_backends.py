@@ -70,22 +70,30 @@ def test_auto_backend_by_device():
 # ---- torch backend ----------------------------------------------------------------------------
 def test_decode_groups_bound_the_padding():
     lens = np.array([4000, 3900, 3300, 1000, 900, 300, 200, 180, 5])
-    groups = decode_groups(lens, ratio=1.25, slack=256)
-    assert groups == [(0, 3), (3, 5), (5, 8), (8, 9)]
-    for a, b in groups:  # no row reads more than max(1.25x its keys, its keys + 256)
-        assert all(lens[a:b].max() <= max(1.25 * n, n + 256) for n in lens[a:b])
-    assert decode_groups(np.array([64, 64, 63]), 1.25, 0) == [(0, 3)]
-    assert decode_groups(np.array([], dtype=np.int64), 1.25, 0) == []
+    groups = decode_groups(lens, max_padding=256)
+    # 3900 pads 100 keys; 3300 would pad 700 more: a new group, and so on down
+    assert groups == [(0, 2), (2, 3), (3, 5), (5, 8), (8, 9)]
+    for a, b in groups:
+        assert sum(lens[a] - n for n in lens[a:b]) <= 256
+    assert decode_groups(np.array([64, 64, 63]), 0) == [(0, 2), (2, 3)]
+    assert decode_groups(np.array([64, 64, 63]), 1) == [(0, 3)]
+    assert decode_groups(np.array([], dtype=np.int64), 0) == []
 
 
-@pytest.mark.parametrize("slack", [0, 256])  # many groups (one per context), one group
-def test_torch_backend_matches_reference(slack):
+def test_decode_group_padding_is_counted_in_kv_bytes():
+    # fp32, 2 KV heads of 16: a key is 2 * 2 * 16 * 4 = 256 bytes of K and V
+    assert TorchBackend(torch.float32, 2, 16, group_waste_bytes=256 * 100).max_group_padding == 100
+    assert TorchBackend(torch.bfloat16, 2, 16, group_waste_bytes=256 * 100).max_group_padding == 200
+
+
+@pytest.mark.parametrize("waste_bytes", [0, 10**9])  # one group per context, one group
+def test_torch_backend_matches_reference(waste_bytes):
     case = make_case([(700, 1), (300, 1), (150, 1), *MIXED], num_heads=4, num_kv_heads=2,
                      head_dim=16, block_size=16, seed=1)
     want, want_k, want_v = reference_attention(case)
     k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
-    step = TorchBackend(torch.float32, group_ratio=1.25, group_slack=slack).prepare(case.meta)
-    assert len(step.decodes) == (7 if slack == 0 else 3)
+    step = TorchBackend(torch.float32, 2, 16, group_waste_bytes=waste_bytes).prepare(case.meta)
+    assert len(step.decodes) == (7 if waste_bytes == 0 else 1)
     got = step.forward(case.q, case.k, case.v, (k_cache, v_cache), case.scale)
     torch.testing.assert_close(got.double(), want, atol=ATOL, rtol=0)
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)

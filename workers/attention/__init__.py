@@ -63,7 +63,7 @@ def make_backend(
                 log.warning("triton is not installed: the torch attention backend runs on CUDA")
                 name = "torch"
     if name == "torch":
-        return TorchBackend(dtype)
+        return TorchBackend(dtype, num_kv_heads, head_dim)
     if device.type != "cuda":
         raise ValueError("the triton attention backend needs a CUDA device")
     from workers.attention.triton_backend import TritonBackend
