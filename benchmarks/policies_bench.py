@@ -112,23 +112,26 @@ def _config(cfg: PoliciesConfig, policy: str, scheduler: dict[str, Any] | None =
         calibration=calibration or {"auto": False})  # baselines: their fixed budgets
 
 
-def decode_step_s(engine: LocalEngine, clock: VirtualClock, cfg: PoliciesConfig) -> float:
-    """Median decode-only step of the scene's users (its prompt length, its batch): the
-    unit of the SLO. Doubles as the engine's warm-up."""
+def decode_steps_s(engine: LocalEngine, clock: VirtualClock, cfg: PoliciesConfig,
+                   tag: str) -> list[float]:
+    """Decode-only steps of the scene's users (its prompt length, its batch), the last
+    `probe_steps` of a warm-up run: samples of the SLO's unit. The first call doubles as
+    the engine's warm-up."""
     spec, vocab = cfg.scene, engine.worker.vocab_size
     prompts = [random_prompt(random.Random(i), spec.user_prompt, vocab)
                for i in range(spec.num_users)]
-    trace = warm_up(engine, clock, prompts, 2 * cfg.probe_steps, "probe")
+    trace = warm_up(engine, clock, prompts, 2 * cfg.probe_steps, tag)
     full = [s.duration_s for s in trace.steps
             if s.decode_tokens == spec.num_users and not s.prefill_tokens]
-    return statistics.median(full[-cfg.probe_steps:])
+    return full[-cfg.probe_steps:]
 
 
 def _user_context(cfg: PoliciesConfig) -> int:
     return cfg.scene.user_prompt + cfg.scene.user_output  # the deepest a user decodes at
 
 
-def calibrate(cfg: PoliciesConfig, itl_slo_ms: float) -> tuple[BudgetTable, Calibrator]:
+def calibrate(cfg: PoliciesConfig) -> tuple[dict[str, Any], Calibrator]:
+    """The calibration's measurements; the table is built once the SLO is known."""
     base = TokenflowConfig(worker={"model": cfg.model}, calibration={"auto": False})
     cal, block_size = base.calibration, base.cache.block_size
     spec = CalibrationSpec(
@@ -140,12 +143,16 @@ def calibrate(cfg: PoliciesConfig, itl_slo_ms: float) -> tuple[BudgetTable, Cali
         decode_contexts=cfg.calib_decode_contexts, matmul_size=cal.matmul_size,
         bandwidth_bytes=cal.bandwidth_bytes, memory_fraction=cal.memory_fraction)
     calibrator = Calibrator(spec, progress=False)
-    table = BudgetTable.build(calibrator.run(), itl_slo_ms=itl_slo_ms,
-                              bandwidth_headroom=cal.bandwidth_headroom,
-                              chunk_efficiency=cal.chunk_efficiency,
-                              plan_context_tokens=None, plan_decodes=cfg.scene.num_users,
-                              plan_decode_context_tokens=_user_context(cfg))
-    return table, calibrator
+    return calibrator.run(), calibrator
+
+
+def budget_table(cfg: PoliciesConfig, measured: dict[str, Any], itl_slo_ms: float) -> BudgetTable:
+    cal = TokenflowConfig(worker={"model": cfg.model}, calibration={"auto": False}).calibration
+    return BudgetTable.build(measured, itl_slo_ms=itl_slo_ms,
+                             bandwidth_headroom=cal.bandwidth_headroom,
+                             chunk_efficiency=cal.chunk_efficiency,
+                             plan_context_tokens=None, plan_decodes=cfg.scene.num_users,
+                             plan_decode_context_tokens=_user_context(cfg))
 
 
 def _profiles(calibrator: Calibrator, chunk: int, cfg: PoliciesConfig) -> dict[str, Any]:
@@ -165,10 +172,18 @@ def _run(cfg: PoliciesConfig, out_dir: Path, itl_slo_ms: float | None) -> dict[s
     load_start = os.getloadavg()[0]  # other engineers' runs share the cores: say how busy
     probe_clock = VirtualClock()
     probe = LocalEngine(_config(cfg, "tokenflow"), clock=probe_clock)
-    step_s = decode_step_s(probe, probe_clock, cfg)
+    # The SLO's unit from decode steps timed before and after the calibration (~10 s
+    # apart): this machine's speed drifts by tens of percent over seconds, and one burst of
+    # probes set a different SLO in every run.
+    before = decode_steps_s(probe, probe_clock, cfg, "probe")
+    _progress(f"decode step {statistics.median(before) * 1e3:.1f} ms; calibrating")
+    measured, calibrator = calibrate(cfg)
+    after = decode_steps_s(probe, probe_clock, cfg, "probe-after")
+    step_s = statistics.median(before + after)
     slo_ms = itl_slo_ms or SLO_FACTOR * step_s * 1e3
-    _progress(f"decode step {step_s * 1e3:.1f} ms -> ITL SLO {slo_ms:.0f} ms; calibrating")
-    table, calibrator = calibrate(cfg, slo_ms)
+    _progress(f"decode step {statistics.median(after) * 1e3:.1f} ms after it: median "
+              f"{step_s * 1e3:.1f} ms -> ITL SLO {slo_ms:.0f} ms")
+    table = budget_table(cfg, measured, slo_ms)
     phases["setup_s"] = time.perf_counter() - started
     budget_file = out_dir / "policies_budget.json"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -234,6 +249,8 @@ def _run(cfg: PoliciesConfig, out_dir: Path, itl_slo_ms: float | None) -> dict[s
         "model": {"name": cfg.model, "params": probe.worker.num_params},
         "itl_slo": {"itl_slo_ms": slo_ms, "given": itl_slo_ms is not None,
                     "decode_step_ms": step_s * 1e3, "slo_factor": SLO_FACTOR,
+                    "decode_step_ms_before_calibration": statistics.median(before) * 1e3,
+                    "decode_step_ms_after_calibration": statistics.median(after) * 1e3,
                     "budget_at_3x_decode_step": table.recommend_detail(
                         3e3 * step_s, block_size=block, kv_capacity_tokens=kv_tokens,
                         context=0)},

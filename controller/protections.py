@@ -69,11 +69,13 @@ class ProtectionConfig:
         "cost model by more than deviation_threshold, the model is refitted on them."))
     refit_deviating_share: float = setting(0.75, gt=0, le=1, description=(
         "Share of the refit window's steps that must deviate to trigger a refit."))
-    slo_headroom_quantile: float = setting(0.9, gt=0, le=1, description=(
+    slo_headroom_quantile: float = setting(1.0, gt=0, le=1, description=(
         "Chunk-carrying steps are planned to itl_slo / h, h being this quantile of "
         "measured / predicted step time over the last refit_window such steps (clamped to "
         "[1, max_slo_headroom]): the P99 inter-token latency is set by the slow steps, so "
-        "the plan keeps the room that the model's error and the machine's noise take."))
+        "the plan keeps the room that the model's error and the machine's noise take. The "
+        "default, the window's slowest, is about the 94th percentile of 16 steps: a P99 "
+        "target needs at least that (0.9, the second slowest, let one step in ~16 through)."))
     max_slo_headroom: float = setting(1.3, ge=1, description=(
         "Most headroom the plan keeps (a model that is off by more gets refitted instead)."))
 
