@@ -11,8 +11,9 @@ then starts afresh, so one drift gives one refit; a refit that would not predict
 window better is dropped (noise, not drift).
 
 The same steps give the planning headroom: a high quantile of measured / predicted time
-over the last window (`slo_headroom_quantile`), which the scheduler divides the ITL SLO by,
-so that noisy steps, not only average ones, land under it. Torch-free.
+over the last `slo_headroom_window` of them (`slo_headroom_quantile`), which the scheduler
+divides the ITL SLO by, so that noisy steps, not only average ones, land under it.
+Torch-free.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class OnlineRefit:
         self.config = config
         self.window: deque[tuple[StepSample, bool]] = deque(maxlen=config.refit_window)
         # measured / predicted of the last steps with chunks, against the current model
-        self.ratios: deque[float] = deque(maxlen=config.refit_window)
+        self.ratios: deque[float] = deque(maxlen=config.slo_headroom_window)
         self.num_refits = 0
 
     @property

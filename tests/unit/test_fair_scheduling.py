@@ -199,12 +199,12 @@ def noisy_scene(protections: ProtectionConfig) -> Scene:
 def test_noisy_steps_are_planned_with_headroom_so_the_slow_ones_stay_under_the_slo():
     """A worker whose steps run 0.95-1.15x the model's time (noise, not drift: no refit).
     Planned to the SLO itself (no headroom allowed), every step slower than the model
-    breaks it; with the measured headroom (the 0.9 quantile of measured / predicted),
-    at most the slowest tenth does, and by less than the noise."""
+    breaks it; with the measured headroom (the slowest measured / predicted of the recent
+    steps) none does once the noise's worst was seen, and the room kept is that worst."""
     bare = noisy_scene(ProtectionConfig(max_slo_headroom=1.0))
     kept = noisy_scene(ProtectionConfig())
     stats = kept.core.worker_stats(0)
-    assert 1.1 <= stats.slo_headroom <= 1.15 + 1e-9 and stats.num_refits == 0
+    assert abs(stats.slo_headroom - 1.15) < 1e-9 and stats.num_refits == 0
     assert bare.core.worker_stats(0).slo_headroom == 1.0
 
     def over_slo(scene: Scene) -> list[float]:
@@ -212,5 +212,5 @@ def test_noisy_steps_are_planned_with_headroom_so_the_slow_ones_stay_under_the_s
         return [t / SLO_S for t in warm if t > SLO_S * 1.001]
 
     assert len(over_slo(bare)) >= 6 and max(over_slo(bare)) > 1.1
-    assert len(over_slo(kept)) <= 0.1 * 30 and max(over_slo(kept), default=1.0) < 1.03
+    assert not over_slo(kept)
     assert max(kept.step_times[10:]) > 0.9 * SLO_S  # the room kept is the noise, no more
