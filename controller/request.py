@@ -31,7 +31,10 @@ class RequestStatus(enum.Enum):
         self.finish_reason = FinishReason(value) if self.is_finished else None
 
 
-@dataclass
+# eq=False: a request is an identity. The generated __eq__ built and compared a tuple of
+# every field, and `request in running` / `running.remove` ran it against each running
+# request: ~6 % of the controller's GIL time in a 256-request batch job.
+@dataclass(eq=False)
 class Request:
     request_id: str
     prompt_token_ids: list[int]
