@@ -130,9 +130,14 @@ def _user_context(cfg: PoliciesConfig) -> int:
     return cfg.scene.user_prompt + cfg.scene.user_output  # the deepest a user decodes at
 
 
+def _base(cfg: PoliciesConfig) -> TokenflowConfig:
+    """The defaults the calibration and its table use (calibration settings, block size)."""
+    return TokenflowConfig(worker={"model": cfg.model}, calibration={"auto": False})
+
+
 def calibrate(cfg: PoliciesConfig) -> tuple[dict[str, Any], Calibrator]:
     """The calibration's measurements; the table is built once the SLO is known."""
-    base = TokenflowConfig(worker={"model": cfg.model}, calibration={"auto": False})
+    base = _base(cfg)
     cal, block_size = base.calibration, base.cache.block_size
     spec = CalibrationSpec(
         model=cfg.model, dtype=base.worker.dtype, device=base.worker.device,
@@ -147,7 +152,7 @@ def calibrate(cfg: PoliciesConfig) -> tuple[dict[str, Any], Calibrator]:
 
 
 def budget_table(cfg: PoliciesConfig, measured: dict[str, Any], itl_slo_ms: float) -> BudgetTable:
-    cal = TokenflowConfig(worker={"model": cfg.model}, calibration={"auto": False}).calibration
+    cal = _base(cfg).calibration
     return BudgetTable.build(measured, itl_slo_ms=itl_slo_ms,
                              bandwidth_headroom=cal.bandwidth_headroom,
                              chunk_efficiency=cal.chunk_efficiency,
