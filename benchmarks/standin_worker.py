@@ -1,8 +1,9 @@
 """A stand-in worker actor whose step takes a fixed time: the Ray path's overhead, alone.
 
 `StandInWorkerActor` answers the controller like `workers.actor.WorkerActor` (same
-constructor, `info`, `execute`, `held_block_ids`) but runs no model: it keeps per-request
-state from the plan's diffs exactly as the real worker does, waits `STEP_S`, and returns a
+constructor, `info`, `execute`, `held_block_ids`, the same `StepGate` ordering two calls
+at once) but runs no model: it keeps per-request state from the plan's diffs exactly as
+the real worker does, waits `STEP_S`, and returns a
 plausible `StepResult` (a token for every span that reaches the end of its known tokens,
 a `ChunkComplete` for every prefill span). Against it, a step's wall time minus `STEP_S` is
 what the controller and Ray add around a GPU step of that length.
@@ -16,8 +17,15 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from controller.messages import ChunkComplete, StepPlan, StepResult
+from controller.messages import (
+    ChunkComplete,
+    StepPlan,
+    StepResult,
+    decode_plan,
+    encode_message,
+)
 from workers.actor import WorkerInfo, WorkerRestartedError
+from workers.step_gate import StepGate
 
 STEP_S = 0.003  # a decode step of a 1B model on an H200, as the GPU path targets
 
@@ -45,6 +53,7 @@ class StandInWorkerActor:
         self.num_kv_blocks, self.block_size = num_kv_blocks, block_size
         self.rng = random.Random(seed)
         self.states: dict[str, _State] = {}
+        self.gate = StepGate()
         self.incarnation = uuid.uuid4().hex
 
     def info(self) -> WorkerInfo:
@@ -52,9 +61,16 @@ class StandInWorkerActor:
                           tuple(self.config.eos_token_ids), self.config.max_model_len,
                           str(self.model_path), "stand-in", os.getpid(), 1, self.incarnation)
 
-    def execute(self, plan: StepPlan, incarnation: str | None = None) -> StepResult:
-        if incarnation is not None and incarnation != self.incarnation:
-            raise WorkerRestartedError(f"plan for incarnation {incarnation}")
+    def execute(self, plan: StepPlan | bytes, incarnation: str | None = None,
+                sender: str | None = None, seq: int | None = None) -> StepResult | bytes:
+        step = decode_plan(plan)
+        with self.gate.turn(sender, seq):
+            if incarnation is not None and incarnation != self.incarnation:
+                raise WorkerRestartedError(f"plan for incarnation {incarnation}")
+            result = self._execute(step)
+        return encode_message(result) if isinstance(plan, bytes) else result
+
+    def _execute(self, plan: StepPlan) -> StepResult:
         start = time.perf_counter()
         for request_id in plan.finished_request_ids:
             self.states.pop(request_id, None)
@@ -90,12 +106,15 @@ class StandInWorkerActor:
         return result
 
     def held_block_ids(self) -> set[int]:
-        return {b for state in self.states.values() for b in state.block_ids}
+        with self.gate.turn():
+            return {b for state in self.states.values() for b in state.block_ids}
 
     def num_active_requests(self) -> int:
-        return len(self.states)
+        with self.gate.turn():
+            return len(self.states)
 
     def reset(self) -> int:
-        num_requests = len(self.states)
-        self.states.clear()
-        return num_requests
+        with self.gate.turn():
+            num_requests = len(self.states)
+            self.states.clear()
+            return num_requests

@@ -50,6 +50,7 @@ from controller.request_metrics import QUEUE_FULL, MetricsSnapshot, RequestMetri
 from controller.streams import Subscriber
 from controller.transport import make_transport
 from controller.worker_loop import WorkerSlot
+from workers.step_gate import WORKER_MAX_CONCURRENCY
 
 logger = logging.getLogger(__name__)
 CONTROLLER_NAME = "tokenflow-controller"
@@ -68,7 +69,7 @@ def start_worker_actors(opts: ControllerOptions) -> list[Any]:
     return [worker_cls.options(name=worker_name(i), namespace=opts.cluster.namespace,
                                get_if_exists=True, lifetime="detached",
                                max_restarts=opts.cluster.worker_max_restarts,
-                               max_concurrency=1, **resources).remote(
+                               max_concurrency=WORKER_MAX_CONCURRENCY, **resources).remote(
         wcfg.model, cache.num_kv_blocks, cache.block_size, wcfg.dtype, wcfg.seed,
         "cuda" if use_gpu else "cpu", wcfg.telemetry, wcfg.peak_bandwidth_bytes_s,
         attention_backend=wcfg.attention_backend, cuda_graphs=wcfg.cuda_graphs,

@@ -29,13 +29,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from controller.messages import StepPlan, StepResult
+from controller.messages import StepPlan, StepResult, decode_result, encode_message
 
 logger = logging.getLogger(__name__)
 ACTOR_CALL = "actor_call"
@@ -73,23 +75,34 @@ class WorkerTransport(Protocol):
 
 
 class ActorCallTransport:
-    """One Ray actor call per step; the actor (concurrency 1) runs them in order."""
+    """One Ray actor call per step. The actor takes two calls at once, so that Ray's work
+    on the next call overlaps the running step; the calls carry this transport's name and
+    a number, by which the actor runs them in order (workers/step_gate.py)."""
 
     kind = ACTOR_CALL
 
     def __init__(self, handle: Any, incarnation: str) -> None:
-        self.handle = handle
-        self.incarnation = incarnation
         self.fallback_reason: str | None = None
+        self._open(handle, incarnation)
+
+    def _open(self, handle: Any, incarnation: str) -> None:
+        self.handle, self.incarnation = handle, incarnation
+        # A new sender for the worker's gate: numbering starts again at 0.
+        self.sender, self._seq = uuid.uuid4().hex, itertools.count()
 
     def send(self, plan: StepPlan) -> Awaitable[StepResult]:
-        try:
-            return self.handle.execute.remote(plan, self.incarnation)
+        try:  # the plan as bytes: the worker answers in bytes (controller/messages.py)
+            call = self.handle.execute.remote(encode_message(plan), self.incarnation,
+                                              self.sender, next(self._seq))
         except Exception as err:  # Ray may refuse a call at once: raised where awaited
+            # The number is spent: the failure restarts the worker, and the gate with it.
             return _failed(err)
+        decoded = asyncio.ensure_future(_decoded(call))
+        decoded.add_done_callback(_retrieve)  # a step dropped unawaited logs nothing
+        return decoded
 
     async def reopen(self, handle: Any, incarnation: str) -> None:
-        self.handle, self.incarnation = handle, incarnation
+        self._open(handle, incarnation)
 
     def close(self) -> None:
         pass
@@ -292,6 +305,10 @@ def _graph_loop_ref(dag: Any) -> Any:
     if not isinstance(refs, dict) or len(refs) != 1:
         return None
     return next(iter(refs.values()))
+
+
+async def _decoded(call: Awaitable[StepResult | bytes]) -> StepResult:
+    return decode_result(await call)
 
 
 def _failed(err: Exception) -> asyncio.Future[Any]:

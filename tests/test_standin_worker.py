@@ -4,13 +4,17 @@ report completion, and finished requests release their blocks on the stand-in to
 
 from __future__ import annotations
 
+import pytest
+
 from benchmarks.standin_worker import STEP_S, StandInWorkerActor
 from controller.core import ControllerCore, PoolSpec
-from controller.messages import SamplingParams
+from controller.messages import SamplingParams, StepResult, decode_result, encode_message
 from controller.scheduler import SchedulerConfig
 
 
-def test_standin_runs_requests_to_completion_from_plan_diffs():
+@pytest.mark.parametrize("is_wire", [False, True], ids=["objects", "bytes"])
+def test_standin_runs_requests_to_completion_from_plan_diffs(is_wire: bool) -> None:
+    """`is_wire`: plans sent as bytes, as actor calls send them; answered in bytes."""
     worker = StandInWorkerActor("builtin:tiny", num_kv_blocks=64, block_size=16)
     info = worker.info()
     # No prefix caching: the prompts share a prefix, and a hit skips reporting its chunk.
@@ -23,7 +27,9 @@ def test_standin_runs_requests_to_completion_from_plan_diffs():
     chunks: dict[str, int] = dict.fromkeys(lengths, 0)
     while core.has_unfinished():
         plan = core.begin_step(0)
-        result = worker.execute(plan, info.incarnation)
+        answer = worker.execute(encode_message(plan) if is_wire else plan, info.incarnation)
+        assert isinstance(answer, bytes if is_wire else StepResult)
+        result = decode_result(answer)
         assert result.elapsed_s >= STEP_S
         for event in result.chunk_events:
             chunks[event.request_id] += event.num_tokens

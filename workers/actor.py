@@ -3,9 +3,10 @@
 The controller wraps this class with `ray.remote` (found through
 `ControllerOptions.worker_cls`) and creates one per GPU (`num_gpus=1`) or `num_workers` of
 them on CPU with a fractional CPU reservation (`worker_num_cpus`), then drives each with its
-own step loop: one `execute` call per step. The actor is synchronous with concurrency 1 on
-purpose: steps of one worker must run strictly in order (each plan is a diff on the previous
-one), and torch releases the GIL inside kernels anyway.
+own step loop: one `execute` call per step. The actor takes two calls at once
+(`WORKER_MAX_CONCURRENCY`), so that Ray receives the next step while one runs, but its
+`StepGate` runs steps strictly one at a time and in the order sent (each plan is a diff on
+the previous one); every other call that touches the worker's state waits its turn too.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from dataclasses import dataclass
 
 from controller.budget import AutoBudget, AutoBudgetResult
 from controller.gc_freeze import freeze_long_lived
-from controller.messages import StepPlan, StepResult
+from controller.messages import StepPlan, StepResult, decode_plan, encode_message
+from workers.step_gate import StepGate
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,7 @@ class WorkerActor:
         if telemetry:
             self.worker.telemetry = make_source(str(self.worker.device), peak_bandwidth_bytes_s)
         self.num_steps = 0
+        self.gate = StepGate()
         self.incarnation = uuid.uuid4().hex
         self.model, self.dtype = model, dtype  # as configured: the budget cache's spec
         freeze_long_lived("worker")  # no full collection of torch's objects mid-step
@@ -71,14 +74,20 @@ class WorkerActor:
                           str(w.model_path), str(w.device), os.getpid(),
                           torch.get_num_threads(), self.incarnation)
 
-    def execute(self, plan: StepPlan, incarnation: str | None = None) -> StepResult:
-        """Run one step. `incarnation` names the process the plan was built for; a plan for
-        an earlier one is refused before it touches any state."""
-        if incarnation is not None and incarnation != self.incarnation:
-            raise WorkerRestartedError(
-                f"plan for worker incarnation {incarnation}, this is {self.incarnation}")
-        self.num_steps += 1
-        return self.worker.execute(plan)
+    def execute(self, plan: StepPlan | bytes, incarnation: str | None = None,
+                sender: str | None = None, seq: int | None = None) -> StepResult | bytes:
+        """Run one step, in its turn (`sender`, `seq`: workers/step_gate.py); a plan sent
+        as bytes is answered in bytes, decoded and encoded outside the turn, beside the
+        step before or after. `incarnation` names the process the plan was built for; a
+        plan for an earlier one is refused before it touches any state."""
+        step = decode_plan(plan)
+        with self.gate.turn(sender, seq):
+            if incarnation is not None and incarnation != self.incarnation:
+                raise WorkerRestartedError(
+                    f"plan for worker incarnation {incarnation}, this is {self.incarnation}")
+            self.num_steps += 1
+            result = self.worker.execute(step)
+        return encode_message(result) if isinstance(plan, bytes) else result
 
     def budget_table(self, request: AutoBudget) -> AutoBudgetResult:
         """The budget table of this worker's model, device, dtype and threads: cached, or
@@ -86,23 +95,27 @@ class WorkerActor:
         before its first plan). Leaves no request behind."""
         from workers.auto_budget import worker_budget_table
 
-        try:
-            return worker_budget_table(self.worker, self.model, self.dtype, request)
-        finally:
-            self.worker.reset()
+        with self.gate.turn():
+            try:
+                return worker_budget_table(self.worker, self.model, self.dtype, request)
+            finally:
+                self.worker.reset()
 
     def held_block_ids(self) -> set[int]:
-        return self.worker.held_block_ids()
+        with self.gate.turn():
+            return self.worker.held_block_ids()
 
     def reset(self) -> int:
         """Forget every request; returns how many there were. A (restarted) controller
         calls it before its first plan: this process outlived the one that planned them."""
-        num_requests = self.worker.num_active_requests
-        self.worker.reset()
-        return num_requests
+        with self.gate.turn():
+            num_requests = self.worker.num_active_requests
+            self.worker.reset()
+            return num_requests
 
     def num_active_requests(self) -> int:
-        return self.worker.num_active_requests
+        with self.gate.turn():
+            return self.worker.num_active_requests
 
 
 def _resolve_device(device: str) -> str:

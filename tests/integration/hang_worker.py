@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from controller.messages import StepPlan, StepResult
+from controller.messages import StepPlan, StepResult, decode_plan
 from workers.actor import WorkerActor
 
 MARKER = Path(tempfile.gettempdir()) / "tokenflow-test-hang-once"
@@ -27,12 +27,13 @@ class HangOnceWorker(WorkerActor):
             time.sleep(0.05)  # the scripted slow start: the test removes the file
         super().__init__(*args, **kwargs)
 
-    def execute(self, plan: StepPlan, incarnation: str | None = None) -> StepResult:
-        if any(rid.startswith("hang") for rid in plan.num_scheduled_tokens):
+    def execute(self, plan: StepPlan | bytes, incarnation: str | None = None,
+                sender: str | None = None, seq: int | None = None) -> StepResult | bytes:
+        if any(rid.startswith("hang") for rid in decode_plan(plan).num_scheduled_tokens):
             try:
                 MARKER.unlink()  # only one process may take the marker
             except FileNotFoundError:
                 pass
             else:
                 time.sleep(HANG_S)  # the controller's deadline kills this process first
-        return super().execute(plan, incarnation)
+        return super().execute(plan, incarnation, sender, seq)

@@ -77,9 +77,11 @@ def _standin(namespace: str) -> Any:
     import ray
 
     from benchmarks.standin_worker import StandInWorkerActor
+    from workers.step_gate import WORKER_MAX_CONCURRENCY
 
     return ray.remote(StandInWorkerActor).options(
-        num_cpus=0.01, max_concurrency=1, max_restarts=-1, namespace=namespace
+        num_cpus=0.01, max_concurrency=WORKER_MAX_CONCURRENCY, max_restarts=-1,
+        namespace=namespace
     ).remote("builtin:tiny", 64, 8)
 
 

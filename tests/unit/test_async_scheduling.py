@@ -19,7 +19,14 @@ from typing import Any
 
 from cluster.controller_client import RayControllerClient, run_request
 from controller.actor import ControllerActor
-from controller.messages import FinishReason, SamplingParams, StepPlan, StepResult
+from controller.messages import (
+    FinishReason,
+    SamplingParams,
+    StepPlan,
+    StepResult,
+    decode_plan,
+    encode_message,
+)
 from controller.options import ControllerOptions, WorkerConfig
 from controller.scheduler import SchedulerConfig
 from tests.unit.fake_runner import FakeRunner
@@ -38,19 +45,23 @@ class OrderedWorkerHandle(FakeWorkerHandle):
         self._last: asyncio.Task[StepResult] | None = None
         self.num_outstanding = self.max_outstanding = 0
 
-    def _execute(self, plan: StepPlan,  # type: ignore[override]
-                 incarnation: str | None = None) -> asyncio.Task[StepResult]:
+    def _execute(self, sent: StepPlan | bytes,  # type: ignore[override]
+                 incarnation: str | None = None, sender: str | None = None,
+                 seq: int | None = None) -> asyncio.Task[StepResult | bytes]:
+        self.check_seq(sender, seq)  # numbered in the order sent
+        plan = decode_plan(sent)
         previous = self._last
         self.num_outstanding += 1
         self.max_outstanding = max(self.max_outstanding, self.num_outstanding)
 
-        async def run() -> StepResult:
+        async def run() -> StepResult | bytes:
             if previous is not None:
                 await asyncio.wait({previous})  # one at a time, in the order sent
             await asyncio.sleep(0)  # the device's time: the controller runs meanwhile
             await asyncio.sleep(0)
             self.num_outstanding -= 1
-            return self.runner.execute(plan)
+            result = self.runner.execute(plan)
+            return encode_message(result) if isinstance(sent, bytes) else result
 
         self._last = asyncio.ensure_future(run())
         return self._last

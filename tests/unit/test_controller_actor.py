@@ -21,7 +21,16 @@ import pytest
 from cluster.controller_client import RayControllerClient, run_request
 from controller.actor import ControllerActor
 from controller.core import NoWorkerUpError
-from controller.messages import Ack, Delta, FinishReason, SamplingParams, StepPlan, StepResult
+from controller.messages import (
+    Ack,
+    Delta,
+    FinishReason,
+    SamplingParams,
+    StepPlan,
+    StepResult,
+    decode_plan,
+    encode_message,
+)
 from controller.options import ControllerOptions, WorkerConfig
 from controller.request import RequestOutput
 from controller.scheduler import SchedulerConfig
@@ -54,6 +63,7 @@ class FakeWorkerHandle:
         self.num_restarts = 0
         self.hung = False  # the next step never returns (until a kill)
         self.seen_computed: list[int] = []  # num_computed_tokens of every new request
+        self.sender_to_next_seq: dict[str | None, int] = {}  # the step gate's numbering
         self.execute = _Method(self._execute)
         self.held_block_ids = _Method(self._held)
         self.info = _Method(self._info)
@@ -74,7 +84,25 @@ class FakeWorkerHandle:
     async def _info(self) -> WorkerInfo:
         return make_info(self.incarnation)
 
-    async def _execute(self, plan: StepPlan, incarnation: str | None = None) -> StepResult:
+    def check_seq(self, sender: str | None, seq: int | None) -> None:
+        """Steps are numbered by their sender 0, 1, 2, ... in the order sent, which is the
+        order the real worker's gate runs them in."""
+        if seq is None:
+            return
+        expected = self.sender_to_next_seq.get(sender, 0)
+        if seq != expected:
+            raise AssertionError(f"step numbered {seq} by {sender}, expected {expected}")
+        self.sender_to_next_seq[sender] = seq + 1
+
+    async def _execute(self, sent: StepPlan | bytes, incarnation: str | None = None,
+                       sender: str | None = None, seq: int | None = None
+                       ) -> StepResult | bytes:
+        result = await self._run(decode_plan(sent), incarnation, sender, seq)
+        return encode_message(result) if isinstance(sent, bytes) else result
+
+    async def _run(self, plan: StepPlan, incarnation: str | None, sender: str | None,
+                   seq: int | None) -> StepResult:
+        self.check_seq(sender, seq)
         if incarnation is not None and incarnation != self.incarnation:
             self.num_refused += 1
             raise WorkerRestartedError(f"{incarnation} is gone")

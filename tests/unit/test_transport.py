@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from cluster.controller_client import RayControllerClient
-from controller.messages import StepPlan
+from controller.messages import StepPlan, StepResult, decode_plan, encode_message
 from controller.options import ClusterConfig
 from controller.transport import ACTOR_CALL, ActorCallTransport, CompiledGraphTransport
 from tests.unit.fake_runner import FakeRunner
@@ -34,6 +34,47 @@ class _Refusing:
 
 def _handle() -> FakeWorkerHandle:
     return FakeWorkerHandle(FakeRunner(vocab_size=100, block_size=4))
+
+
+class _RecordingExecute:
+    """An actor's `execute` that keeps what each call carried and answers as the worker
+    does: bytes for a plan sent as bytes."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    def remote(self, *args: Any) -> Any:
+        self.calls.append(args)
+        plan = decode_plan(args[0])
+
+        async def answer() -> bytes:
+            return encode_message(StepResult(step_id=plan.step_id, num_tokens=plan.step_id))
+
+        return answer()
+
+
+def test_actor_calls_carry_the_plan_as_bytes_numbered_per_sender() -> None:
+    async def main() -> None:
+        handle = _handle()
+        handle.execute = _RecordingExecute()
+        transport = ActorCallTransport(handle, "fake-0")
+        results = [await transport.send(StepPlan(step_id=i)) for i in (4, 5)]
+        assert [(r.step_id, r.num_tokens) for r in results] == [(4, 4), (5, 5)]
+        await transport.reopen(handle, "fake-1")  # a restarted worker: a new sender
+        await transport.send(StepPlan(step_id=6))
+        calls = handle.execute.calls
+        assert all(isinstance(call[0], bytes) for call in calls)
+        assert [decode_plan(call[0]).step_id for call in calls] == [4, 5, 6]
+        assert [call[1] for call in calls] == ["fake-0", "fake-0", "fake-1"]
+        assert [call[3] for call in calls] == [0, 1, 0]
+        assert calls[0][2] == calls[1][2] != calls[2][2]
+
+    run(main())
+
+
+def test_a_message_of_the_wrong_kind_is_refused() -> None:
+    with pytest.raises(TypeError, match="expected a StepPlan"):
+        decode_plan(encode_message(StepResult(step_id=1)))
 
 
 def test_actor_call_names_the_incarnation_and_a_refused_call_fails_when_awaited() -> None:

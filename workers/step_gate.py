@@ -1,0 +1,65 @@
+"""`StepGate`: a worker's steps run one at a time, in the order they were sent.
+
+A worker actor takes two calls at once (`WORKER_MAX_CONCURRENCY`) so that Ray's share of a
+call, done on the actor's side, overlaps the step before it: while step n runs, Ray
+receives and decodes step n+1 (sent ahead by the controller's async scheduling) on a
+second thread, and step n's reply is encoded and sent while n+1 already runs. Without it
+those costs sit between two steps, serial with the device (~1 ms per step on a small CPU).
+
+Each plan is a diff on the one before, so the gate restores the order: the sender numbers
+its calls (`seq` 0, 1, 2, ...) under a name of its own (`sender`, new for every transport:
+a restarted controller or a reopened worker starts again at 0), and call k waits until
+call k-1 of the same sender has finished. The first call of a new sender goes once nothing
+runs. A call without a number (a compiled graph, which delivers its steps in order on one
+thread; `reset`, `held_block_ids`, calibration) only waits until nothing runs. Should a
+numbered call's predecessor never come (its sender died mid-send), it waits until the
+controller's step deadline restarts the worker.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+# Ray's `max_concurrency` of a worker actor: the running step and the next one.
+WORKER_MAX_CONCURRENCY = 2
+
+
+class StepGate:
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._is_running = False
+        self._sender: str | None = None
+        self._next_seq = 0  # of `_sender`
+        self.num_waiting = 0  # calls waiting for their turn
+
+    def _is_turn(self, sender: str | None, seq: int | None) -> bool:
+        if self._is_running:
+            return False
+        if seq is None:
+            return True
+        return seq == (self._next_seq if sender == self._sender else 0)
+
+    @contextmanager
+    def turn(self, sender: str | None = None, seq: int | None = None) -> Iterator[None]:
+        """Hold the worker for one call; with `seq`, only after the sender's earlier ones."""
+        with self._cond:
+            self.num_waiting += 1
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: self._is_turn(sender, seq))
+            self.num_waiting -= 1
+            self._is_running = True
+            if seq is not None:
+                self._sender, self._next_seq = sender, seq + 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._is_running = False
+                self._cond.notify_all()
+
+    def wait_for_waiting(self, num: int, timeout_s: float) -> bool:
+        """Until `num` calls wait for their turn (tests, stats); False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self.num_waiting >= num, timeout_s)
