@@ -66,6 +66,17 @@ BASELINE_BUDGETS = {"prefill-first": 8192, "prefill-priority-chunked": 2048}
 QUIET_LOGGERS = ("tokenflow.flow", "tokenflow.protections", "tokenflow.slow_requests")
 
 
+def _ratio_summary(ratios: list[float]) -> dict[str, float | int]:
+    """Measured / predicted time of the last chunk-carrying steps (the refit's window): a
+    median near 1 with a far maximum is machine noise, not a mis-fitted model."""
+    ordered = sorted(ratios)
+    if not ordered:
+        return {"n": 0}
+    return {"n": len(ordered), "median": statistics.median(ordered),
+            "p90": ordered[int(0.9 * (len(ordered) - 1))], "max": ordered[-1],
+            "num_over_1_3": sum(r > 1.3 for r in ordered)}
+
+
 def _progress(message: str) -> None:
     print(f"[policies] {message}", flush=True)  # minutes-long run: say where it is
 
@@ -217,6 +228,9 @@ def _run(cfg: PoliciesConfig, out_dir: Path, itl_slo_ms: float | None) -> dict[s
         stats = engine.core.worker_stats(0)
         scene[name]["slo_headroom_after"] = stats.slo_headroom
         scene[name]["num_refits"] = stats.num_refits
+        refit = engine.core.workers[0].refit
+        if refit is not None:  # tokenflow: how far its chunk steps strayed from the model
+            scene[name]["measured_over_predicted"] = _ratio_summary(list(refit.ratios))
     plot_scene(traces, slo_ms, out_dir / "policies.png")
     phases["scene_s"] = time.perf_counter() - t
 

@@ -83,8 +83,18 @@ def _itl_why(scene: dict[str, Any], analysis: dict[str, Any], profiles: dict[str
             f"{win['step_ms_mean']:.0f} ms against the {analysis['itl_slo_ms']:.0f} ms SLO; "
             f"load average {analysis['loadavg_1m']} on {analysis['cpu_count']} cores, modes "
             f"{win['modes']}): a step far above its prediction is the shared machine, one near "
-            f"it is a budget planned too close to the SLO. Profile of one chunk at the deepest "
-            f"depth: {describe(profiles['chunk_at_depth'])}")
+            f"it is a budget planned too close to the SLO.{_ratios_why(scene[TF])} Profile of "
+            f"one chunk at the deepest depth: {describe(profiles['chunk_at_depth'])}")
+
+
+def _ratios_why(tokenflow: dict[str, Any]) -> str:
+    ratios = tokenflow.get("measured_over_predicted")
+    if not ratios or not ratios.get("n"):
+        return ""
+    return (f" Measured / predicted over the last {ratios['n']} chunk steps: median "
+            f"{ratios['median']:.2f}, P90 {ratios['p90']:.2f}, max {ratios['max']:.2f} "
+            f"({ratios['num_over_1_3']} over 1.3); the planning headroom ended at "
+            f"{tokenflow['slo_headroom_after']:.2f}.")
 
 
 def _throughput_why(scene: dict[str, Any], analysis: dict[str, Any]) -> str:
