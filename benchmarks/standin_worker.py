@@ -74,8 +74,9 @@ class StandInWorkerActor:
         start = time.perf_counter()
         for request_id in plan.finished_request_ids:
             self.states.pop(request_id, None)
-        for state in self.states.values():
-            state.block_ids = [plan.block_moves.get(b, b) for b in state.block_ids]
+        if plan.block_moves:  # as the real worker: no pass over every request otherwise
+            for state in self.states.values():
+                state.block_ids = [plan.block_moves.get(b, b) for b in state.block_ids]
         for new in plan.new_requests:
             self.states[new.request_id] = _State(len(new.token_ids), len(new.token_ids),
                                                  new.num_computed_tokens, list(new.block_ids))
