@@ -16,11 +16,13 @@ from controller.budget import BudgetTable
 from controller.core import ControllerCore, PoolSpec
 from controller.gc_freeze import freeze_long_lived
 from controller.messages import SamplingParams, StepPlan, StepResult
+from controller.pipeline import StepPipeline
 from controller.policies import make_scheduler_class
 from controller.request import RequestOutput
 
 if TYPE_CHECKING:  # pydantic stays out of importers that bring their own engine (gpu_bench)
     from cluster.config import TokenflowConfig
+    from workers.worker import PendingStep
 
 
 @dataclass
@@ -73,6 +75,10 @@ class LocalEngine:
             cost_model=cfg.cost_model(table), degraded_config=cfg.degraded,
             scheduler_cls=make_scheduler_class(scheduler.scheduling_policy),
             step_cost=step_cost, itl_slo_s=itl_slo_s)
+        # scheduler.async_scheduling: the next step is planned and launched while the
+        # worker runs the current one (controller/pipeline.py); else one step at a time.
+        self.pipeline = StepPipeline(self.core, 0, self._launch, self._wait) \
+            if scheduler.async_scheduling else None
         self._pending: dict[str, deque[RequestOutput]] = defaultdict(deque)
         self.step_log: list[tuple[StepPlan, StepResult]] = []  # kept only when asked
         self.keep_step_log = False
@@ -96,17 +102,35 @@ class LocalEngine:
 
     # -- stepping ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One scheduler step on the worker; returns the deltas it produced."""
+        """One scheduler step on the worker; returns the deltas it produced. With async
+        scheduling: the deltas of the step that was running, the next one launched."""
+        if self.pipeline is not None:
+            return self.pipeline.step().outputs
         return self.core.step(0, self._execute)
 
     def _execute(self, plan: StepPlan) -> StepResult:
-        result = self.worker.execute(plan)
+        return self._wait(self._launch(plan))
+
+    def _launch(self, plan: StepPlan) -> PendingStep:
+        return self.worker.launch(plan)
+
+    def _wait(self, pending: PendingStep) -> StepResult:
+        result = self.worker.wait(pending)
         if self.keep_step_log:
-            self.step_log.append((plan, result))
+            self.step_log.append((pending.plan, result))
         return result
 
     def has_unfinished(self) -> bool:
         return self.core.has_unfinished()
+
+    def has_work(self) -> bool:
+        """Something to step: a request to advance, or a step still running."""
+        return self.pipeline.has_work() if self.pipeline is not None \
+            else self.core.has_work(0)
+
+    def drain(self) -> list[RequestOutput]:
+        """Finish the step still running (async scheduling), launching nothing after it."""
+        return self.pipeline.drain() if self.pipeline is not None else []
 
     def stream(self, request_id: str) -> Iterator[RequestOutput]:
         """Deltas of one request; steps the engine as needed (others' deltas are kept)."""
@@ -118,7 +142,7 @@ class LocalEngine:
                 if out.finished:
                     del self._pending[request_id]
                     return
-            if not self.core.has_work(0):
+            if not self.has_work():
                 raise RuntimeError(f"request {request_id} is not running")
             for out in self.step():
                 self._pending[out.request_id].append(out)
@@ -130,7 +154,7 @@ class LocalEngine:
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
         done = {rid: Completion(rid, list(p)) for rid, p in zip(ids, prompts, strict=True)}
         while any(c.finish_reason is None for c in done.values()):
-            if not self.core.has_work(0):
+            if not self.has_work():
                 raise RuntimeError("engine idle with unfinished requests")
             for out in self.step():
                 completion = done.get(out.request_id)
@@ -146,5 +170,7 @@ class LocalEngine:
         """Pool partition holds and, once idle, the worker holds no block."""
         self.core.check_integrity()
         if not self.core.has_unfinished():
+            for out in self.drain():  # a step planned past a request's stop
+                self._pending[out.request_id].append(out)
             self.step()  # deliver pending finished ids so the worker drops its tables
             assert not self.worker.held_block_ids(), "worker still holds blocks"

@@ -65,9 +65,11 @@ class SchedulerConfig:
         "Prefill chunks per step in NORMAL flow mode (flow control lowers it: "
         "flow.throttle_chunks, flow.throttle_hard_chunks, 0 under cache pressure)."))
     async_scheduling: bool = setting(False, description=(
-        "Plan a worker's next step while its current one runs (the Ray step loop; the "
-        "in-process LocalEngine steps one at a time): the controller's planning and the "
-        "actor round trip hide behind the device. Tokens sampled by the running step are "
+        "Plan a worker's next step while its current one runs: in the Ray step loop the "
+        "controller's planning and the actor round trip hide behind the device; in process "
+        "(LocalEngine, controller/pipeline.py) the next step is launched as soon as the "
+        "current one is done and the controller plans and applies while it runs. Tokens "
+        "sampled by the running step are "
         "pending in the next plan (the worker feeds them), a request that finishes is "
         "dropped a step later, and nobody is preempted while a step runs ahead. The same "
         "tokens either way (vLLM's --async-scheduling)."))

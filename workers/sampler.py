@@ -112,6 +112,11 @@ class Sampler:
 
     def on_device(self, logits: Tensor, rows: list[SamplingRow]) -> list[int]:
         """logits [S, V] fp32 -> one token id per row, sampled on the logits' device."""
+        return self.ids_on_device(logits, rows).tolist()  # the step's one device-to-host copy
+
+    def ids_on_device(self, logits: Tensor, rows: list[SamplingRow]) -> Tensor:
+        """logits [S, V] fp32 -> [S] int64 token ids on the logits' device, not synchronised
+        (the caller copies them to the host when it needs them)."""
         assert logits.shape[0] == len(rows)
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
@@ -133,4 +138,4 @@ class Sampler:
             ]
             noise = -torch.log(hash_uniform(torch.tensor(seeds, device=device), sub.shape[1]))
             tokens[index] = (probs / noise).argmax(dim=-1)
-        return tokens.tolist()  # the step's one device-to-host copy
+        return tokens

@@ -81,6 +81,20 @@ class RequestState:
         self._num_blocks = end
 
 
+@dataclass
+class PendingStep:
+    """A launched step (`Worker.launch`) until its result is taken (`Worker.wait`)."""
+
+    plan: StepPlan
+    start_s: float  # perf_counter at launch
+    start_event: torch.cuda.Event | None = None  # CUDA: recorded before the step's work
+    spans: dict[str, SeqSpan] = field(default_factory=dict)  # plan order
+    sampling_ids: list[str] = field(default_factory=list)  # requests that sample, in order
+    tokens: list[int] = field(default_factory=list)  # sampled ids, once on the host
+    host_ids: Tensor | None = None  # CUDA: pinned buffer the ids are copied into
+    done: torch.cuda.Event | None = None  # CUDA: recorded after that copy
+
+
 def resolve_num_threads(num_threads: int) -> int:
     """N > 0 threads as given; -1 every core this process may run on (Ray pins an actor
     to its reserved CPUs otherwise), -2 all but one, ...; at least one."""
@@ -151,6 +165,8 @@ class Worker:
         self.last_logits: dict[str, Tensor] = {}  # [vocab] fp32, last token of the last span
         self.span_logits: dict[str, Tensor] = {}  # [n, vocab] fp32, every token of that span
         self._requests: dict[str, RequestState] = {}
+        self._launched = False  # a step launched and not waited for (`launch`, `wait`)
+        self._host_ids = torch.empty(0, dtype=torch.int64)  # pinned once a CUDA step samples
         # Bandwidth samples for flow control (workers/telemetry.py); set by whoever owns the
         # worker (LocalEngine, WorkerActor), None in unit tests that drive plans by hand.
         self.telemetry: TelemetrySource | None = None
@@ -208,6 +224,7 @@ class Worker:
         """Drop every request (a restarted controller knows none of them; its pool is
         fresh, so the KV rows left behind are never read as a cached prefix)."""
         self._requests.clear()
+        self._launched = False  # a step launched and never waited for is forgotten too
 
     # ---- plan diffs -------------------------------------------------------------------------
     def _check_blocks(self, block_ids: list[int]) -> None:
@@ -243,9 +260,33 @@ class Worker:
             raise KeyError(f"worker holds no request {request_id!r}") from None
 
     # ---- execution --------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
-        start_time = time.perf_counter()
+        """Run one step and return its result (`wait(launch(plan))`)."""
+        return self.wait(self.launch(plan))
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> PendingStep:
+        """Apply the plan's diff and start the step: on CUDA everything up to the sampled ids
+        is queued on the device (their copy to pinned host memory too) and this returns
+        while the device runs, so the caller may plan the next step meanwhile; on CPU the
+        step has run when this returns. At most one step is launched and not yet waited
+        for: the next plan's inputs include the tokens this one samples."""
+        if self._launched:
+            raise RuntimeError("a launched step was not waited for")
+        try:
+            pending = self._launch(plan)
+        except BaseException:
+            self._launched = False  # nothing runs that `wait` could take
+            raise
+        self._launched = True
+        return pending
+
+    def _launch(self, plan: StepPlan) -> PendingStep:
+        start_s = time.perf_counter()
+        start_event = None
+        if self.device.type == "cuda":
+            start_event = torch.cuda.Event(enable_timing=True)
+            start_event.record()
         for request_id in plan.finished_request_ids:  # first: a preempted id may come back new
             self._requests.pop(request_id, None)
         if plan.block_moves:
@@ -273,9 +314,9 @@ class Worker:
                     f"{request_id}: {end} tokens exceed max_model_len {self._config.max_model_len}"
                 )
             scheduled.append((request_id, state, begin, num_tokens))
+        pending = PendingStep(plan, start_s, start_event)
         if not scheduled:
-            result = StepResult(step_id=plan.step_id, elapsed_s=time.perf_counter() - start_time)
-            return self._sample_telemetry(result)
+            return pending
         flat = sorted(scheduled, key=lambda s: (s[3] != 1, -(s[2] + s[3]) if s[3] == 1 else 0))
         input_ids: list[int] = []
         by_id: dict[str, SeqSpan] = {}
@@ -289,6 +330,7 @@ class Worker:
             if span.context_len == len(self._requests[rid].token_ids)
         ]
         last_rows = [spans[r].query_start + spans[r].num_query_tokens - 1 for r in sampling_ids]
+        pending.spans, pending.sampling_ids = spans, sampling_ids
 
         flat_spans = [by_id[request_id] for request_id, *_ in flat]
         bucket = None
@@ -320,14 +362,44 @@ class Worker:
             for rid in sampling_ids
         ]
         if self.device.type == "cuda":
-            tokens = self.sampler.on_device(logits, rows)  # one device-to-host copy
+            # The step's one device-to-host copy, queued behind the step: into pinned memory,
+            # so that it runs asynchronously; `wait` reads it once `done` has passed.
+            ids = self.sampler.ids_on_device(logits, rows)
+            pending.host_ids = self._pinned_ids(len(rows))
+            pending.host_ids.copy_(ids, non_blocking=True)
+            pending.done = torch.cuda.Event(enable_timing=True)
+            pending.done.record()
         else:
-            tokens = self.sampler(logits, rows)
-        sampled = dict(zip(sampling_ids, tokens, strict=True))
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        elapsed_s = time.perf_counter() - start_time
-        return self._sample_telemetry(self._finish_step(plan, spans, sampled, elapsed_s))
+            pending.tokens = self.sampler(logits, rows)
+        return pending
+
+    def wait(self, pending: PendingStep) -> StepResult:
+        """The result of the launched step: blocks until the device has run it. Its
+        `elapsed_s` is the step's own time (on CUDA the device's, from the launch to the
+        sampled ids on the host), not the time the caller spent between the two calls."""
+        if not self._launched:
+            raise RuntimeError("no launched step to wait for")
+        self._launched = False
+        if pending.done is not None:
+            pending.done.synchronize()
+            assert pending.start_event is not None and pending.host_ids is not None
+            pending.tokens = pending.host_ids.tolist()
+            elapsed_s = pending.start_event.elapsed_time(pending.done) / 1e3
+        else:
+            elapsed_s = time.perf_counter() - pending.start_s
+        plan = pending.plan
+        if not pending.spans:
+            return self._sample_telemetry(StepResult(step_id=plan.step_id, elapsed_s=elapsed_s))
+        sampled = dict(zip(pending.sampling_ids, pending.tokens, strict=True))
+        return self._sample_telemetry(self._finish_step(plan, pending.spans, sampled, elapsed_s))
+
+    def _pinned_ids(self, num: int) -> Tensor:
+        """[num] int64 in pinned host memory; one buffer, reused: a launched step's ids are
+        read (`wait`) before the next step is launched."""
+        if self._host_ids.numel() < num:
+            self._host_ids = torch.empty(max(num, 2 * self._host_ids.numel()),
+                                         dtype=torch.int64, pin_memory=True)
+        return self._host_ids[:num]
 
     def _sample_telemetry(self, result: StepResult) -> StepResult:
         if self.telemetry is not None:

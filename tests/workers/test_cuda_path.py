@@ -86,3 +86,30 @@ def test_fp32_greedy_equals_transformers_on_cuda(checkpoint, cuda_graphs):
         assert driver.tokens[rid][len(prompt) : len(prompt) + 24] == want[rid], rid
     if cuda_graphs:
         assert worker.graphs is not None and sorted(worker.graphs.graphs) == [4]
+
+
+def test_async_engine_on_cuda_gives_the_serial_engines_tokens(checkpoint):
+    """The step pipeline (controller/pipeline.py) where `launch` returns before the device
+    has run the step: the same tokens as serial stepping, greedy and seeded sampling, with
+    decode-only steps replayed from graphs and mixed steps eager."""
+    import random
+
+    from cluster.engine import LocalEngine
+    from controller.messages import SamplingParams
+
+    def generate(is_async: bool) -> list[list[int]]:
+        engine = LocalEngine(worker={"model": str(checkpoint), "device": "cuda",
+                                     "telemetry": False, "max_graph_batch": 8},
+                             cache={"num_kv_blocks": 256, "block_size": 16},
+                             scheduler={"max_num_batched_tokens": 96, "max_num_seqs": 8,
+                                        "async_scheduling": is_async})
+        assert (engine.pipeline is not None) == is_async
+        rng = random.Random(3)
+        prompts = [[rng.randrange(3, 250) for _ in range(n)] for n in (5, 40, 130, 77, 9)]
+        params = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+                  SamplingParams(max_tokens=20, temperature=0.9, seed=4, ignore_eos=True)]
+        done = engine.generate(prompts, [params[i % 2] for i in range(len(prompts))])
+        engine.check_integrity()
+        return [c.output_token_ids for c in done]
+
+    assert generate(True) == generate(False)
