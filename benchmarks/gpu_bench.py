@@ -11,7 +11,10 @@ chosen shape itself, then measures, each against its reference:
 - the long-prompt scene per policy (users decoding, a long prompt lands): users' P99 gap while it
   lives and its time to first token, tokenflow's scheduler vs prefill-first;
 - fp32 greedy equality with transformers on the same device, on a small model;
-- the controller's share of a step (schedule + apply vs the worker's execute), in-process;
+- the controller's share of a step, in-process: stepping one step at a time (schedule +
+  apply vs the worker's execute) and with async scheduling (controller/pipeline.py: the
+  next step planned while one runs, launched when it ends, its result applied while the
+  next runs), where the share is the step's wall time the device did not spend on it;
 - the torch profiler's top ops for one step of each kind.
 
 No Ray, no pydantic: the controller core and the worker are driven directly (`run_step`).
@@ -40,6 +43,7 @@ from benchmarks.policy_workloads import SceneSpec, random_prompt
 from benchmarks.virtual_time import VirtualClock
 from controller.core import ControllerCore, PoolSpec
 from controller.messages import SamplingParams, StepPlan, StepResult
+from controller.pipeline import StepPipeline
 from controller.policies import make_scheduler_class
 from controller.request import RequestOutput
 from controller.scheduler import SchedulerConfig
@@ -113,16 +117,22 @@ def _sync(device: torch.device) -> None:
 # -- the engine: controller core + worker, one step verb -----------------------------------
 @dataclass(frozen=True)
 class StepTiming:
-    schedule_s: float  # controller: plan
-    execute_s: float  # worker: metadata, forward, sampling (synchronised on CUDA)
+    schedule_s: float  # controller: plan (async: the next step, while this one runs)
+    execute_s: float  # worker: metadata, forward, sampling (synchronised on CUDA; async:
+    #                   the step's own elapsed_s, the device's time on CUDA)
     apply_s: float  # controller: apply, events
+    wall_s: float | None = None  # async: the whole step() call, the step's period
 
     @property
     def controller_s(self) -> float:
-        return self.schedule_s + self.apply_s
+        """What the host adds to the step: serially plan + apply; async, the part of the
+        step's period the device did not spend on the step."""
+        return self.total_s - self.execute_s
 
     @property
     def total_s(self) -> float:
+        if self.wall_s is not None:
+            return self.wall_s
         return self.schedule_s + self.execute_s + self.apply_s
 
 
@@ -132,7 +142,7 @@ class BenchEngine:
     through the same duck-typed surface."""
 
     def __init__(self, worker: Worker, policy: str, budget: int, chunk: int | None = None,
-                 clock: Callable[[], float] | None = None) -> None:
+                 clock: Callable[[], float] | None = None, is_async: bool = False) -> None:
         self.worker = worker
         config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=512,
                                  max_chunk_tokens=chunk)
@@ -145,6 +155,9 @@ class BenchEngine:
         self.step_log: list[tuple[StepPlan, StepResult]] = []
         self.keep_step_log = False
         self.timings: list[StepTiming] = []
+        # Async scheduling (controller/pipeline.py), as LocalEngine runs it.
+        self.pipeline = StepPipeline(self.core, 0, worker.launch, worker.wait) \
+            if is_async else None
 
     @property
     def scheduler(self):  # the single worker's scheduler
@@ -158,14 +171,28 @@ class BenchEngine:
         return self.core.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
+        if self.pipeline is not None:
+            start = time.perf_counter()
+            done = self.pipeline.step()
+            wall = time.perf_counter() - start
+            if done.result is not None:
+                self.timings.append(StepTiming(done.plan_ahead_s, done.result.elapsed_s,
+                                               done.apply_s, wall))
+                if self.keep_step_log and done.plan is not None:
+                    self.step_log.append((done.plan, done.result))
+            return done.outputs
         outputs, plan, result, timing = run_step(self.core, self.worker)
         self.timings.append(timing)
         if self.keep_step_log:
             self.step_log.append((plan, result))
         return outputs
 
+    def has_work(self) -> bool:
+        return self.pipeline.has_work() if self.pipeline is not None \
+            else self.core.has_work(0)
+
     def run_to_completion(self) -> None:
-        while self.core.has_work(0):
+        while self.has_work():
             self.step()
 
 
@@ -275,9 +302,9 @@ def measure_prefill(worker: Worker, hf: Any, cfg: GpuBenchConfig) -> dict[str, A
 
 
 def _decoding_engine(worker: Worker, num: int, context: int, max_tokens: int, tag: str,
-                     budget: int) -> BenchEngine:
+                     budget: int, is_async: bool = False) -> BenchEngine:
     """`num` requests of `context` prompt tokens, stepped until every one decodes."""
-    engine = BenchEngine(worker, "tokenflow", budget=budget)
+    engine = BenchEngine(worker, "tokenflow", budget=budget, is_async=is_async)
     for i, prompt in enumerate(_prompts(num, context, worker.vocab_size, 200)):
         engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, **GREEDY), f"{tag}-{i}")
     while any(not r.is_decoding or r.num_output_tokens == 0
@@ -287,6 +314,8 @@ def _decoding_engine(worker: Worker, num: int, context: int, max_tokens: int, ta
 
 
 def _abort_all(engine: BenchEngine) -> None:
+    if engine.pipeline is not None:
+        engine.pipeline.drain()  # the step still on the device
     for request_id in list(engine.scheduler.requests):
         engine.core.abort(request_id)
 
@@ -324,20 +353,35 @@ def read_bound_s(worker: Worker, num_seqs: int, context: int, bandwidth: float) 
             "bound_ms": (weight_bytes + kv_bytes) / bandwidth * 1e3}
 
 
-def measure_decode(worker: Worker, hf: Any, cfg: GpuBenchConfig, bandwidth: float,
-                   profiles: dict[str, Any]) -> tuple[dict[str, Any], list[StepTiming]]:
+def _decode_steps(worker: Worker, cfg: GpuBenchConfig, is_async: bool,
+                  profiles: dict[str, Any] | None = None) -> list[StepTiming]:
+    """`decode_steps` timed decode-only steps of the decode batch (after two warm-ups)."""
     b, ctx, n = cfg.decode_batch, cfg.decode_context, cfg.decode_steps
-    engine = _decoding_engine(worker, b, ctx, 4 * n + 8, "decode", budget=8192)
+    engine = _decoding_engine(worker, b, ctx, 4 * n + 8, "decode-async" if is_async
+                              else "decode", budget=8192, is_async=is_async)
     for _ in range(2):  # warm-up at this batch
         engine.step()
     start = len(engine.timings)
     for _ in range(n):
         engine.step()
     timings = engine.timings[start:]
-    profiles["decode"] = profile_step(engine, cfg.profile_top)
+    if profiles is not None:
+        profiles["decode"] = profile_step(engine, cfg.profile_top)
     _abort_all(engine)
     engine.step()  # delivers the finished ids: the worker forgets them
+    return timings
+
+
+def measure_decode(worker: Worker, hf: Any, cfg: GpuBenchConfig, bandwidth: float,
+                   profiles: dict[str, Any]
+                   ) -> tuple[dict[str, Any], list[StepTiming], list[StepTiming]]:
+    """The decode step stepped one at a time and with async scheduling; the report's
+    `step_ms` is the async one (what a GPU deployment runs), `serial_step_ms` the other."""
+    b, ctx, n = cfg.decode_batch, cfg.decode_context, cfg.decode_steps
+    serial = _decode_steps(worker, cfg, False, profiles)
+    timings = _decode_steps(worker, cfg, True)
     bound = read_bound_s(worker, b, ctx + n // 2, bandwidth)
+    serial_ms = _median_ms([t.total_s for t in serial])
     step_ms = _median_ms([t.total_s for t in timings])
     hf_ms = {}
     for name, cache in (("dynamic_cache", None), ("static_cache", "static")):
@@ -348,13 +392,15 @@ def measure_decode(worker: Worker, hf: Any, cfg: GpuBenchConfig, bandwidth: floa
             hf_ms[name] = None
             hf_ms[f"{name}_error"] = repr(err)[:300]
     report = {"batch": b, "context": ctx, "timed_steps": n, "step_ms": step_ms,
+              "async_scheduling": True, "serial_step_ms": serial_ms,
               "execute_ms": _median_ms([t.execute_s for t in timings]),
+              "serial_execute_ms": _median_ms([t.execute_s for t in serial]),
               "tokens_per_s": b / step_ms * 1e3, "transformers_generate_ms": hf_ms,
               "read_bound": bound, "vs_read_bound": step_ms / bound["bound_ms"]}
     for name in ("dynamic_cache", "static_cache"):
         if hf_ms.get(name):
             report[f"speedup_vs_{name}"] = hf_ms[name] / step_ms
-    return report, timings
+    return report, timings, serial
 
 
 def measure_mixed(worker: Worker, cfg: GpuBenchConfig,
@@ -393,14 +439,18 @@ def measure_mixed(worker: Worker, cfg: GpuBenchConfig,
 def measure_offline(worker: Worker, hf: Any, cfg: GpuBenchConfig) -> dict[str, Any]:
     n, p_len, out = cfg.offline_requests, cfg.offline_prompt, cfg.offline_output
     prompts = _prompts(n, p_len, worker.vocab_size, 500)
-    engine = BenchEngine(worker, "tokenflow", budget=8192)
-    engine.add_request(prompts[0][:16], SamplingParams(max_tokens=2, **GREEDY), "warm")
-    engine.run_to_completion()
-    start = time.perf_counter()
-    for i, prompt in enumerate(prompts):
-        engine.add_request(prompt, SamplingParams(max_tokens=out, **GREEDY), f"offline-{i}")
-    engine.run_to_completion()
-    ours_s = time.perf_counter() - start
+    def ours(is_async: bool) -> float:
+        engine = BenchEngine(worker, "tokenflow", budget=8192, is_async=is_async)
+        engine.add_request(prompts[0][:16], SamplingParams(max_tokens=2, **GREEDY), "warm")
+        engine.run_to_completion()
+        start = time.perf_counter()
+        for i, prompt in enumerate(prompts):
+            engine.add_request(prompt, SamplingParams(max_tokens=out, **GREEDY), f"offline-{i}")
+        engine.run_to_completion()
+        return time.perf_counter() - start
+
+    serial_s = ours(False)
+    ours_s = ours(True)
     device = worker.device
     batches = [prompts[i:i + cfg.hf_batch_size] for i in range(0, n, cfg.hf_batch_size)]
 
@@ -415,7 +465,9 @@ def measure_offline(worker: Worker, hf: Any, cfg: GpuBenchConfig) -> dict[str, A
     total = n * out
     return {"requests": n, "prompt_tokens": p_len, "output_tokens": out,
             "budget": 8192, "hf_batch_size": cfg.hf_batch_size,
-            "tokenflow_s": ours_s, "transformers_s": theirs_s,
+            "tokenflow_s": ours_s, "async_scheduling": True, "serial_tokenflow_s": serial_s,
+            "serial_tokenflow_output_tokens_per_s": total / serial_s,
+            "transformers_s": theirs_s,
             "tokenflow_output_tokens_per_s": total / ours_s,
             "transformers_output_tokens_per_s": total / theirs_s,
             "speedup_vs_transformers": theirs_s / ours_s}
@@ -510,7 +562,9 @@ def profile_step(engine: BenchEngine, top: int) -> dict[str, Any]:
 
 
 def host_share(timings: list[StepTiming]) -> dict[str, float]:
-    controller = _median_ms([t.controller_s for t in timings])
+    """Async steps: a step's period shorter than the device's time for it (noise) counts
+    as nothing added, not as a negative share."""
+    controller = _median_ms([max(t.controller_s, 0.0) for t in timings])
     total = _median_ms([t.total_s for t in timings])
     return {"controller_ms": controller, "execute_ms": _median_ms([t.execute_s
                                                                    for t in timings]),
@@ -578,7 +632,9 @@ def run(cfg: GpuBenchConfig, device: torch.device, work_dir: Path,
         t = time.perf_counter()
         result = fn()
         if isinstance(result, tuple):
-            result, step_timings[name] = result
+            result, step_timings[name], *serial = result
+            if serial:  # measured both ways: the serial steps' share too
+                step_timings[f"{name}_serial"] = serial[0]
         report[name] = result
         wall[f"{name}_s"] = time.perf_counter() - t
     report["host_share"] = {kind: host_share(ts) for kind, ts in step_timings.items()}

@@ -70,6 +70,8 @@ def test_quick_report_values_are_sane(quick_report):
     decode = report["decode"]
     assert decode["batch"] == cfg["decode_batch"] and decode["timed_steps"] == cfg["decode_steps"]
     assert decode["step_ms"] >= decode["execute_ms"] > 0
+    assert decode["async_scheduling"]
+    assert decode["serial_step_ms"] >= decode["serial_execute_ms"] > 0
     bound = decode["read_bound"]
     assert bound["weight_bytes"] > 0 and bound["kv_bytes"] > 0 and bound["bound_ms"] > 0
     assert decode["vs_read_bound"] == pytest.approx(decode["step_ms"] / bound["bound_ms"])
@@ -81,6 +83,7 @@ def test_quick_report_values_are_sane(quick_report):
     offline = report["offline"]
     assert offline["requests"] == cfg["offline_requests"]
     assert offline["tokenflow_output_tokens_per_s"] > 0
+    assert offline["serial_tokenflow_output_tokens_per_s"] > 0
     assert offline["transformers_output_tokens_per_s"] > 0
     assert report["copy_bandwidth_bytes_s"] > 0
 
@@ -102,7 +105,7 @@ def test_quick_report_scene_and_parity(quick_report):
 
 def test_quick_report_host_share_and_profiles(quick_report):
     report, _, _ = quick_report
-    for kind in ("decode", "mixed"):
+    for kind in ("decode", "decode_serial", "mixed"):
         share = report["host_share"][kind]
         assert 0 < share["controller_share"] < 1
         assert 0 < share["controller_ms"] < share["step_ms"]

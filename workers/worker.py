@@ -87,6 +87,7 @@ class PendingStep:
 
     plan: StepPlan
     start_s: float  # perf_counter at launch
+    end_s: float | None = None  # CPU: when the step had run (inside `launch`)
     start_event: torch.cuda.Event | None = None  # CUDA: recorded before the step's work
     spans: dict[str, SeqSpan] = field(default_factory=dict)  # plan order
     sampling_ids: list[str] = field(default_factory=list)  # requests that sample, in order
@@ -316,6 +317,7 @@ class Worker:
             scheduled.append((request_id, state, begin, num_tokens))
         pending = PendingStep(plan, start_s, start_event)
         if not scheduled:
+            pending.end_s = time.perf_counter()
             return pending
         flat = sorted(scheduled, key=lambda s: (s[3] != 1, -(s[2] + s[3]) if s[3] == 1 else 0))
         input_ids: list[int] = []
@@ -371,6 +373,7 @@ class Worker:
             pending.done.record()
         else:
             pending.tokens = self.sampler(logits, rows)
+            pending.end_s = time.perf_counter()  # the step has run: its time ends here
         return pending
 
     def wait(self, pending: PendingStep) -> StepResult:
@@ -386,7 +389,8 @@ class Worker:
             pending.tokens = pending.host_ids.tolist()
             elapsed_s = pending.start_event.elapsed_time(pending.done) / 1e3
         else:
-            elapsed_s = time.perf_counter() - pending.start_s
+            assert pending.end_s is not None
+            elapsed_s = pending.end_s - pending.start_s
         plan = pending.plan
         if not pending.spans:
             return self._sample_telemetry(StepResult(step_id=plan.step_id, elapsed_s=elapsed_s))
