@@ -209,6 +209,20 @@ class DeltaBatch:
         self.num_cached_tokens.append(delta.num_cached_tokens)
         self.errors.append(delta.error)
 
+    def append_output(self, out: RequestOutput, worker: int) -> None:
+        """`append(Delta.from_output(out, worker))` without the `Delta` (the step loop's
+        common case: one output per request per wake-up). The token list is shared, not
+        copied: an output's list is its own (`Scheduler._output` builds a new one)."""
+        self.request_ids.append(out.request_id)
+        self.workers.append(worker)
+        self.token_ids.append(out.new_token_ids)
+        reason = out.finish_reason
+        self.finish_reasons.append(None if reason is None else reason.value)
+        self.num_prompt_tokens.append(out.num_prompt_tokens)
+        self.num_output_tokens.append(out.num_output_tokens)
+        self.num_cached_tokens.append(out.num_cached_tokens)
+        self.errors.append(out.error)
+
     @classmethod
     def of(cls, deltas: list[Delta]) -> DeltaBatch:
         batch = cls()

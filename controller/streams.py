@@ -18,7 +18,10 @@ from controller.request import RequestOutput
 class Subscriber:
     def __init__(self) -> None:
         self.request_to_worker: dict[str, int] = {}  # its unfinished requests
-        self.pending: dict[str, list[Delta]] = {}
+        # Outputs not taken yet, with the worker each came from. Kept as they are: a
+        # consumer that keeps up gets one per request per wake-up, written straight into
+        # the batch's columns (no `Delta` object per token on the step loop).
+        self.pending: dict[str, list[tuple[RequestOutput, int]]] = {}
         self.ready = asyncio.Event()
 
     def add(self, request_id: str, worker: int) -> None:
@@ -26,7 +29,11 @@ class Subscriber:
 
     def push(self, out: RequestOutput) -> None:
         worker = self.request_to_worker.get(out.request_id, -1)
-        self.pending.setdefault(out.request_id, []).append(Delta.from_output(out, worker))
+        queued = self.pending.get(out.request_id)
+        if queued is None:
+            self.pending[out.request_id] = [(out, worker)]
+        else:
+            queued.append((out, worker))
         self.ready.set()
 
     async def next_batch(self) -> DeltaBatch:
@@ -34,9 +41,15 @@ class Subscriber:
         self.ready.clear()
         pending, self.pending = self.pending, {}
         batch = DeltaBatch()
-        for request_id, deltas in pending.items():
-            delta = deltas[0] if len(deltas) == 1 else Delta.merge(deltas)
-            if delta.is_finished:
+        for request_id, outs in pending.items():
+            if len(outs) == 1:
+                out, worker = outs[0]
+                batch.append_output(out, worker)
+                is_finished = out.finished
+            else:
+                delta = Delta.merge([Delta.from_output(out, w) for out, w in outs])
+                batch.append(delta)
+                is_finished = delta.is_finished
+            if is_finished:
                 self.request_to_worker.pop(request_id, None)
-            batch.append(delta)
         return batch
