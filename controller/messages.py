@@ -199,29 +199,30 @@ class DeltaBatch:
     errors: list[str | None] = field(default_factory=list)
 
     def append(self, delta: Delta) -> None:
-        self.request_ids.append(delta.request_id)
-        self.workers.append(delta.worker)
-        self.token_ids.append(delta.token_ids)
-        reason = delta.finish_reason
-        self.finish_reasons.append(None if reason is None else reason.value)
-        self.num_prompt_tokens.append(delta.num_prompt_tokens)
-        self.num_output_tokens.append(delta.num_output_tokens)
-        self.num_cached_tokens.append(delta.num_cached_tokens)
-        self.errors.append(delta.error)
+        self._add(delta.request_id, delta.worker, delta.token_ids, delta.finish_reason,
+                  (delta.num_prompt_tokens, delta.num_output_tokens, delta.num_cached_tokens),
+                  delta.error)
 
     def append_output(self, out: RequestOutput, worker: int) -> None:
         """`append(Delta.from_output(out, worker))` without the `Delta` (the step loop's
         common case: one output per request per wake-up). The token list is shared, not
         copied: an output's list is its own (`Scheduler._output` builds a new one)."""
-        self.request_ids.append(out.request_id)
+        self._add(out.request_id, worker, out.new_token_ids, out.finish_reason,
+                  (out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens),
+                  out.error)
+
+    def _add(self, request_id: str, worker: int, token_ids: list[int],
+             reason: FinishReason | None, counts: tuple[int, int, int],
+             error: str | None) -> None:
+        """counts: (prompt, output, cached) tokens."""
+        self.request_ids.append(request_id)
         self.workers.append(worker)
-        self.token_ids.append(out.new_token_ids)
-        reason = out.finish_reason
+        self.token_ids.append(token_ids)
         self.finish_reasons.append(None if reason is None else reason.value)
-        self.num_prompt_tokens.append(out.num_prompt_tokens)
-        self.num_output_tokens.append(out.num_output_tokens)
-        self.num_cached_tokens.append(out.num_cached_tokens)
-        self.errors.append(out.error)
+        self.num_prompt_tokens.append(counts[0])
+        self.num_output_tokens.append(counts[1])
+        self.num_cached_tokens.append(counts[2])
+        self.errors.append(error)
 
     @classmethod
     def of(cls, deltas: list[Delta]) -> DeltaBatch:

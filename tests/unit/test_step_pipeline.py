@@ -16,12 +16,7 @@ from controller.messages import FinishReason, SamplingParams, StepPlan, StepResu
 from controller.pipeline import StepPipeline
 from controller.scheduler import SchedulerConfig
 from tests.unit.fake_runner import FakeRunner
-
-VOCAB = 97
-
-
-def next_token(token_ids: list[int]) -> int:
-    return (31 * sum(token_ids) + 7 * len(token_ids)) % VOCAB
+from tests.unit.test_async_scheduling import VOCAB, next_token, workload
 
 
 class LaunchWaitWorker:
@@ -48,21 +43,6 @@ class LaunchWaitWorker:
         return self.runner.execute(plan)
 
 
-def workload() -> list[tuple[list[int], SamplingParams]]:
-    """Prompts of 3-19 tokens, 4-12 outputs, every other one stopping early at the token
-    it would sample third; 12 requests, 8 running at once over 24 blocks of 4 tokens."""
-    out = []
-    for i in range(12):
-        prompt = [(7 * i + j) % 90 + 1 for j in range(3 + (5 * i) % 17)]
-        ids = list(prompt)
-        for _ in range(3):
-            ids.append(next_token(ids))
-        out.append((prompt, SamplingParams(
-            max_tokens=4 + (3 * i) % 9, temperature=0.0, ignore_eos=True,
-            stop_token_ids=(ids[-1],) if i % 2 else ())))
-    return out
-
-
 def run(is_pipelined: bool, num_blocks: int = 24
         ) -> tuple[dict[str, tuple[list[int], FinishReason | None]], LaunchWaitWorker,
                    ControllerCore]:
@@ -71,7 +51,7 @@ def run(is_pipelined: bool, num_blocks: int = 24
                                           max_chunk_tokens=8),
                           eos_token_ids=(0,), vocab_size=VOCAB)
     worker = LaunchWaitWorker(core)
-    ids = [core.add_request(prompt, params).request_id for prompt, params in workload()]
+    ids = [core.add_request(prompt, params).request_id for _, prompt, params in workload()]
     got: dict[str, tuple[list[int], FinishReason | None]] = {rid: ([], None) for rid in ids}
     pipeline = StepPipeline(core, 0, worker.launch, worker.wait)
     while pipeline.has_work() if is_pipelined else core.has_work(0):
@@ -90,7 +70,7 @@ def test_pipelined_steps_overlap_and_change_no_token() -> None:
     pipelined, worker, core = run(True)
     assert worker.max_planned_ahead == 2  # the next step was planned while one ran
     assert pipelined == serial
-    for (prompt, params), (tokens, _) in zip(workload(), pipelined.values(), strict=True):
+    for (_, prompt, params), (tokens, _) in zip(workload(), pipelined.values(), strict=True):
         expected = list(prompt)
         for _ in range(params.max_tokens):
             expected.append(next_token(expected))
