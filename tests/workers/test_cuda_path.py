@@ -88,28 +88,42 @@ def test_fp32_greedy_equals_transformers_on_cuda(checkpoint, cuda_graphs):
         assert worker.graphs is not None and sorted(worker.graphs.graphs) == [4]
 
 
-def test_async_engine_on_cuda_gives_the_serial_engines_tokens(checkpoint):
+def test_step_pipeline_on_cuda_gives_the_serial_tokens(checkpoint):
     """The step pipeline (controller/pipeline.py) where `launch` returns before the device
     has run the step: the same tokens as serial stepping, greedy and seeded sampling, with
-    decode-only steps replayed from graphs and mixed steps eager."""
+    decode-only steps replayed from graphs and mixed steps eager. Core and worker driven
+    directly, as the GPU benchmark does (the GPU image has no pydantic for LocalEngine)."""
     import random
 
-    from cluster.engine import LocalEngine
+    from controller.core import ControllerCore, PoolSpec
     from controller.messages import SamplingParams
+    from controller.pipeline import StepPipeline
+    from controller.scheduler import SchedulerConfig
 
-    def generate(is_async: bool) -> list[list[int]]:
-        engine = LocalEngine(worker={"model": str(checkpoint), "device": "cuda",
-                                     "telemetry": False, "max_graph_batch": 8},
-                             cache={"num_kv_blocks": 256, "block_size": 16},
-                             scheduler={"max_num_batched_tokens": 96, "max_num_seqs": 8,
-                                        "async_scheduling": is_async})
-        assert (engine.pipeline is not None) == is_async
+    def generate(is_async: bool) -> dict[str, list[int]]:
+        worker = Worker(str(checkpoint), num_kv_blocks=256, block_size=16, device="cuda",
+                        max_graph_batch=8)
+        core = ControllerCore([PoolSpec(256, 16, True)],
+                              SchedulerConfig(max_num_batched_tokens=96, max_num_seqs=8),
+                              eos_token_ids=tuple(worker.eos_token_ids),
+                              vocab_size=worker.vocab_size)
         rng = random.Random(3)
-        prompts = [[rng.randrange(3, 250) for _ in range(n)] for n in (5, 40, 130, 77, 9)]
         params = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
                   SamplingParams(max_tokens=20, temperature=0.9, seed=4, ignore_eos=True)]
-        done = engine.generate(prompts, [params[i % 2] for i in range(len(prompts))])
-        engine.check_integrity()
-        return [c.output_token_ids for c in done]
+        got: dict[str, list[int]] = {}
+        for i, n in enumerate((5, 40, 130, 77, 9)):
+            rid = core.add_request([rng.randrange(3, 250) for _ in range(n)],
+                                   params[i % 2]).request_id
+            got[rid] = []
+        pipeline = StepPipeline(core, 0, worker.launch, worker.wait)
+        while pipeline.has_work() if is_async else core.has_work(0):
+            outputs = pipeline.step().outputs if is_async else core.step(0, worker.execute)
+            for out in outputs:
+                got[out.request_id] += out.new_token_ids
+        core.check_integrity()
+        assert worker.graphs is not None and worker.graphs.graphs  # decode steps replayed
+        return got
 
-    assert generate(True) == generate(False)
+    serial = generate(False)
+    assert all(len(tokens) == 20 for tokens in serial.values())
+    assert generate(True) == serial
