@@ -118,4 +118,5 @@ class StandInWorkerActor:
         with self.gate.turn():
             num_requests = len(self.states)
             self.states.clear()
+            self.gate.retire()
             return num_requests

@@ -73,6 +73,10 @@ class WorkerTransport(Protocol):
     async def drain(self, timeout_s: float) -> None:
         """Wait until no step is running on the worker's side (at most `timeout_s`)."""
 
+    def after_reset(self) -> None:
+        """The worker dropped its state (`reset`), which retired the numbering of the
+        steps sent so far (workers/step_gate.py): number the next ones afresh."""
+
 
 class ActorCallTransport:
     """One Ray actor call per step. The actor takes two calls at once, so that Ray's work
@@ -87,6 +91,9 @@ class ActorCallTransport:
 
     def _open(self, handle: Any, incarnation: str) -> None:
         self.handle, self.incarnation = handle, incarnation
+        self.after_reset()
+
+    def after_reset(self) -> None:
         # A new sender for the worker's gate: numbering starts again at 0.
         self.sender, self._seq = uuid.uuid4().hex, itertools.count()
 
@@ -191,6 +198,9 @@ class CompiledGraphTransport:
     async def drain(self, timeout_s: float) -> None:
         if self.graph is not None:
             await self.graph.drain(timeout_s)
+
+    def after_reset(self) -> None:
+        self.calls.after_reset()  # the graph's steps carry no numbers
 
     def _fall_back(self, reason: str) -> None:
         self.fallback_reason = reason

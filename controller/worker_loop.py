@@ -288,6 +288,7 @@ class WorkerSlot:
         await self.transport.drain(self.recovery.ready_timeout_s)
         await self._call_worker(self.handle.reset.remote, self.recovery.ready_timeout_s,
                                 "reset after a controller error")
+        self.transport.after_reset()  # the reset retired the steps' numbering
 
     def _plan_ahead(self) -> None:
         """Plan and send the next step while the current one runs."""

@@ -111,6 +111,7 @@ class WorkerActor:
         with self.gate.turn():
             num_requests = self.worker.num_active_requests
             self.worker.reset()
+            self.gate.retire()  # steps the gone controller queued must not run now
             return num_requests
 
     def num_active_requests(self) -> int:

@@ -14,6 +14,12 @@ runs. A call without a number (a compiled graph, which delivers its steps in ord
 thread; `reset`, `held_block_ids`, calibration) only waits until nothing runs. Should a
 numbered call's predecessor never come (its sender died mid-send), it waits until the
 controller's step deadline restarts the worker.
+
+A reset (a restarted controller forgetting every request) retires the sender whose steps
+ran last (`retire`): its calls still queued, planned by a controller that is gone, are
+refused (`RetiredSenderError`) instead of running on the state the reset cleared. Without
+it such a call could run after the reset, since an unnumbered call and a numbered one
+that both wait are let in in no particular order.
 """
 
 from __future__ import annotations
@@ -26,15 +32,22 @@ from contextlib import contextmanager
 WORKER_MAX_CONCURRENCY = 2
 
 
+class RetiredSenderError(RuntimeError):
+    """A step numbered by a sender that a reset retired: its controller is gone."""
+
+
 class StepGate:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._is_running = False
         self._sender: str | None = None
         self._next_seq = 0  # of `_sender`
+        self._retired: set[str] = set()  # one per reset: bounded by controller restarts
         self.num_waiting = 0  # calls waiting for their turn
 
     def _is_turn(self, sender: str | None, seq: int | None) -> bool:
+        if sender is not None and sender in self._retired:
+            return True  # to be refused at once, not to run
         if self._is_running:
             return False
         if seq is None:
@@ -49,6 +62,8 @@ class StepGate:
             self._cond.notify_all()
             self._cond.wait_for(lambda: self._is_turn(sender, seq))
             self.num_waiting -= 1
+            if sender is not None and sender in self._retired:
+                raise RetiredSenderError(f"step {seq} of sender {sender}, retired by a reset")
             self._is_running = True
             if seq is not None:
                 self._sender, self._next_seq = sender, seq + 1
@@ -58,6 +73,14 @@ class StepGate:
             with self._cond:
                 self._is_running = False
                 self._cond.notify_all()
+
+    def retire(self) -> None:
+        """Refuse the last sender's steps from now on (call it inside a turn: a reset)."""
+        with self._cond:
+            if self._sender is not None:
+                self._retired.add(self._sender)
+            self._sender, self._next_seq = None, 0
+            self._cond.notify_all()
 
     def wait_for_waiting(self, num: int, timeout_s: float) -> bool:
         """Until `num` calls wait for their turn (tests, stats); False on timeout."""

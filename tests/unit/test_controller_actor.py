@@ -64,6 +64,8 @@ class FakeWorkerHandle:
         self.hung = False  # the next step never returns (until a kill)
         self.seen_computed: list[int] = []  # num_computed_tokens of every new request
         self.sender_to_next_seq: dict[str | None, int] = {}  # the step gate's numbering
+        self.last_sender: str | None = None
+        self.retired_senders: set[str] = set()  # a reset retires the last one, as the gate
         self.execute = _Method(self._execute)
         self.held_block_ids = _Method(self._held)
         self.info = _Method(self._info)
@@ -89,6 +91,9 @@ class FakeWorkerHandle:
         order the real worker's gate runs them in."""
         if seq is None:
             return
+        if sender in self.retired_senders:  # the real gate refuses it: a worker failure
+            raise RuntimeError(f"step {seq} of {sender}, a sender retired by a reset")
+        self.last_sender = sender
         expected = self.sender_to_next_seq.get(sender, 0)
         if seq != expected:
             raise AssertionError(f"step numbered {seq} by {sender}, expected {expected}")
@@ -122,6 +127,8 @@ class FakeWorkerHandle:
     async def _reset(self) -> int:
         num_requests = len(self.runner.requests)
         self.runner.requests.clear()
+        if self.last_sender is not None:
+            self.retired_senders.add(self.last_sender)
         return num_requests
 
     async def _held(self) -> set[int]:

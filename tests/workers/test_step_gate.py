@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from workers.step_gate import StepGate
+from workers.step_gate import RetiredSenderError, StepGate
 
 TIMEOUT_S = 30.0
 
@@ -97,3 +97,32 @@ def test_a_step_that_raises_releases_the_gate() -> None:
         raise RuntimeError("step failed")
     _joined([_start(gate, order, "s1", "a", 1)])
     assert order == ["s1"]
+
+
+def test_a_reset_refuses_the_steps_its_gone_controller_still_queued() -> None:
+    """A restarted controller resets the worker: a step the dead one sent (here 2, waiting
+    for 1, which never comes) must not run on the cleared state, even once 1 is due; a new
+    sender numbers from 0 and runs."""
+    gate, order = StepGate(), []
+    with gate.turn("old", 0):
+        pass
+    errors: list[BaseException] = []
+
+    def stale() -> None:
+        try:
+            with gate.turn("old", 2):
+                order.append("old2")
+        except RetiredSenderError as err:
+            errors.append(err)
+
+    thread = threading.Thread(target=stale, daemon=True)
+    thread.start()
+    _waiting(gate, 1)
+    with gate.turn():  # the reset
+        gate.retire()
+    _joined([thread])
+    assert order == [] and len(errors) == 1
+    with pytest.raises(RetiredSenderError), gate.turn("old", 1):
+        order.append("old1")
+    _joined([_start(gate, order, "new0", "new", 0)])
+    assert order == ["new0"]
