@@ -77,7 +77,7 @@ class LocalEngine:
             step_cost=step_cost, itl_slo_s=itl_slo_s)
         # scheduler.async_scheduling: the next step is planned and launched while the
         # worker runs the current one (controller/pipeline.py); else one step at a time.
-        self.pipeline = StepPipeline(self.core, 0, self._launch, self._wait) \
+        self.pipeline = StepPipeline(self.core, 0, self.worker.launch, self._wait) \
             if scheduler.async_scheduling else None
         self._pending: dict[str, deque[RequestOutput]] = defaultdict(deque)
         self.step_log: list[tuple[StepPlan, StepResult]] = []  # kept only when asked
@@ -109,10 +109,7 @@ class LocalEngine:
         return self.core.step(0, self._execute)
 
     def _execute(self, plan: StepPlan) -> StepResult:
-        return self._wait(self._launch(plan))
-
-    def _launch(self, plan: StepPlan) -> PendingStep:
-        return self.worker.launch(plan)
+        return self._wait(self.worker.launch(plan))
 
     def _wait(self, pending: PendingStep) -> StepResult:
         result = self.worker.wait(pending)

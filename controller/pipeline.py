@@ -38,14 +38,12 @@ from controller.request import RequestOutput
 @dataclass(frozen=True)
 class PipelinedStep:
     """What one `StepPipeline.step` did: the step whose result it applied (None when
-    there was nothing to run), and how long the caller's host spent where."""
+    there was nothing to run), and the host's time for the controller's two parts."""
 
     outputs: list[RequestOutput]
     plan: StepPlan | None
     result: StepResult | None
     plan_ahead_s: float  # planning the next step while this one ran
-    wait_s: float  # blocked on the device
-    launch_s: float  # launching the next step (the device idles meanwhile)
     apply_s: float  # applying this step's result while the next one runs
 
 
@@ -73,7 +71,7 @@ class StepPipeline:
             state = core.workers[w]
             if not core.has_work(w):
                 outputs, state.outbox = state.outbox, []
-                return PipelinedStep(outputs, None, None, 0.0, 0.0, 0.0, 0.0)
+                return PipelinedStep(outputs, None, None, 0.0, 0.0)
             plan = core.begin_step(w)
             self._in_flight = (plan, self.launch(plan))
         plan, pending = self._in_flight
@@ -87,13 +85,11 @@ class StepPipeline:
         t1 = clock()
         self._in_flight = None
         result = self.wait(pending)
-        t2 = clock()
         if ahead is not None:
             self._in_flight = (ahead, self.launch(ahead))
-        t3 = clock()
+        t2 = clock()
         outputs = core.finish_step(w, plan, result)
-        t4 = clock()
-        return PipelinedStep(outputs, plan, result, t1 - t0, t2 - t1, t3 - t2, t4 - t3)
+        return PipelinedStep(outputs, plan, result, t1 - t0, clock() - t2)
 
     def drain(self) -> list[RequestOutput]:
         """Apply the step in flight, if any, launching nothing after it."""

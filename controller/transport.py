@@ -115,7 +115,9 @@ class ActorCallTransport:
         pass
 
     async def drain(self, timeout_s: float) -> None:
-        pass  # a later ordinary call runs after every earlier step anyway
+        # Nothing to wait for: a step sent before a `reset` runs before it, or is refused
+        # after it (the reset retires its sender, workers/step_gate.py).
+        pass
 
 
 # Builds the compiled graph of one worker: (actor handle, incarnation) -> compiled graph.
