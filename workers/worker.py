@@ -45,7 +45,7 @@ from controller.messages import (
 )
 from controller.settings import check_thread_count
 from workers.attention import HostStaging, SeqSpan, StepMetadata, allocate_kv_cache, make_backend
-from workers.cuda_graphs import DecodeGraphs
+from workers.cuda_graphs import DecodeGraphs, Forward
 from workers.loader import load_model, parse_dtype
 from workers.model_config import ModelConfig
 from workers.presets import resolve_model
@@ -153,12 +153,19 @@ class Worker:
             device=self.device,
         )
         self._staging = HostStaging(self.device)
+        # The forward of a step: on CUDA with the Triton backend the fused layers
+        # (workers/kernels), elsewhere the model's own (the CPU path, token-exact).
+        self.forward: Forward = self.model
+        if self.device.type == "cuda" and self.backend.name == "triton":
+            from workers.kernels.fused_llama import FusedLlama
+
+            self.forward = FusedLlama(self.model)
         self.graphs: DecodeGraphs | None = None
         if (cuda_graphs and max_graph_batch > 0 and self.device.type == "cuda"
                 and self.backend.supports_cuda_graphs):
             max_blocks = min(-(-cfg.max_model_len // block_size), num_kv_blocks)
             self.graphs = DecodeGraphs(
-                self.model, self.kv_caches, self.backend, max_graph_batch, max_blocks,
+                self.forward, self.kv_caches, self.backend, max_graph_batch, max_blocks,
                 block_size, cfg.hidden_size, self.dtype, self.device,
             )
         self.sampler = Sampler(seed)
@@ -347,7 +354,7 @@ class Worker:
             hidden = self.graphs.run(meta)  # [bucket, hidden], padding rows past the real ones
         else:
             attn = self.backend.prepare(meta)
-            hidden = self.model(meta.input_ids, meta.positions, attn, self.kv_caches)
+            hidden = self.forward(meta.input_ids, meta.positions, attn, self.kv_caches)
         hidden = hidden[: meta.num_real_tokens]  # [T, hidden]
 
         if self.keep_logits:
