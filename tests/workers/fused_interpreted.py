@@ -17,11 +17,11 @@ if os.environ.get("TRITON_INTERPRET") != "1":
                 allow_module_level=True)
 pytest.importorskip("triton", reason="triton is not installed (the dev extra has it)")
 
-from tests.workers.attention_cases import MIXED, fix_interpreter_scalars, make_case  # noqa: E402
-from workers.attention import triton_kernels as attention_kernels  # noqa: E402
-from workers.attention.triton_backend import LaunchConfig, TritonBackend  # noqa: E402
-from workers.kernels import fused  # noqa: E402
-from workers.models.llama import RMSNorm, apply_rotary  # noqa: E402
+from tests.workers.attention_cases import fix_interpreter_scalars, make_case
+from workers.attention import triton_kernels as attention_kernels
+from workers.attention.triton_backend import LaunchConfig, TritonBackend
+from workers.kernels import fused
+from workers.models.llama import RMSNorm, apply_rotary
 
 fix_interpreter_scalars()
 CPU = torch.device("cpu")

@@ -36,7 +36,7 @@ class OpCounter(TorchDispatchMode):
         super().__init__()
         self.ops: Counter[str] = Counter()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         if not (func.is_view or name in NO_KERNEL):
             self.ops[f"aten::{name}"] += 1
