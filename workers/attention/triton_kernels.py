@@ -12,7 +12,8 @@ so slot `s` of the flattened `[num_blocks * block_size, Hkv, hd]` view holds one
   repeated K/V and each K/V tile is loaded once for the whole group. Keys are read in tiles of
   `TILE_N` through the block table (block `pos // block_size`, offset `pos % block_size`, for
   any block size), causal against the query's global position (`seq_len - q_len + i`), hence
-  full over earlier chunks and prefix-cached blocks. Online softmax in fp32 (exp2, scale folded
+  full over earlier chunks and prefix-cached blocks; only the tiles that cross the causal
+  diagonal of the program's rows are masked. Online softmax in fp32 (exp2, scale folded
   into log2 units); fp32 inputs use IEEE dots (no TF32). Sequence of a program: the q-block
   index of sequence i starts at `query_start[i] // BLOCK_Q + i` (vLLM's trick), so the grid is
   `T // BLOCK_Q + S` programs per KV head, known on the host without reading the device, and a
@@ -252,7 +253,15 @@ def _unified_attention_kernel(
     kv_end = seq_len - q_len + tl.minimum(local * BLOCK_Q + BLOCK_Q, q_len)
     table_row = block_table_ptr + seq.to(tl.int64) * stride_bt
     head_off = kv_head * stride_ch
-    for start_n in range(0, kv_end, TILE_N):
+    # Keys every row sees (0 .. the first query's position): whole tiles of them need no
+    # causal mask; only the tiles from there to kv_end cross the diagonal.
+    num_full = (seq_len - q_len + local * BLOCK_Q + 1) // TILE_N * TILE_N
+    for start_n in range(0, num_full, TILE_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, start_n, kv_end, q_pos,
+            k_cache_ptr, v_cache_ptr, table_row, head_off, stride_cs, scale_log2,
+            HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, CAUSAL=False, PRECISION=PRECISION)
+    for start_n in range(num_full, kv_end, TILE_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, start_n, kv_end, q_pos,
             k_cache_ptr, v_cache_ptr, table_row, head_off, stride_cs, scale_log2,
