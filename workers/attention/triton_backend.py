@@ -43,7 +43,7 @@ def default_configs(
     wide = max(1 << (group - 1).bit_length(), 16)
     if dtype == torch.float32 or head_dim > 128:
         decode = LaunchConfig(block_m=wide, tile_n=32 if head_dim <= 128 else 16, num_warps=8)
-        prefill = LaunchConfig(block_m=max(64, wide), tile_n=16, num_warps=8)
+        prefill = LaunchConfig(block_m=max(32, wide), tile_n=16, num_warps=8)
         split = LaunchConfig(block_m=wide, tile_n=32 if head_dim <= 128 else 16, num_warps=8)
         return decode, prefill, split
     decode = LaunchConfig(block_m=wide, tile_n=64, num_warps=4)
