@@ -26,9 +26,10 @@ A chunk's `bytes_moved` uses the same terms for its own tokens plus its pro-rata
 
 from __future__ import annotations
 
+import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 import numpy as np
@@ -52,6 +53,8 @@ from workers.presets import resolve_model
 from workers.sampler import Sampler, SamplingRow
 from workers.telemetry import TelemetrySource
 from workers.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -188,6 +191,39 @@ class Worker:
         self._matmul_weight_bytes = self.weight_bytes - (
             0 if cfg.tie_word_embeddings else embed_bytes
         )
+        # Seconds spent at start compiling kernels and capturing graphs (CUDA), 0 on CPU.
+        self.startup_s = self._warm_up() if self.device.type == "cuda" else 0.0
+
+    @property
+    def uses_fused_layers(self) -> bool:
+        return self.forward is not self.model
+
+    def _warm_up(self) -> float:
+        """The slow things once, before the worker reports ready, never inside a step: every
+        Triton kernel compiled (an eager mixed step, then a decode-only one prepared as a
+        graph capture prepares it, which takes the split-K kernels), then every CUDA-graph
+        bucket captured. Warm-up steps write no K/V (slot -1) into a cache nothing uses yet.
+        A compile failure raises here. -> seconds taken."""
+        start = time.perf_counter()
+        chunk = 2 * self.block_size + 3
+        spans = [SeqSpan(0, 1, 1, [0]), SeqSpan(1, chunk, chunk, list(range(3)))]
+        with torch.inference_mode():
+            for step_spans, no_context in ((spans, False), (spans[:1], True)):
+                num_tokens = sum(s.num_query_tokens for s in step_spans)
+                meta = StepMetadata.build(step_spans, [0] * num_tokens, self.block_size,
+                                          self._staging, logits_indices=[0])
+                meta.slot_mapping.fill_(-1)
+                if no_context:
+                    meta = replace(meta, max_seq_len=None)
+                hidden = self.forward(meta.input_ids, meta.positions,
+                                      self.backend.prepare(meta), self.kv_caches)
+                self.sampler.sample_on_device(self.model.compute_logits(hidden[:1]), None, ())
+            torch.cuda.synchronize(self.device)
+            log.info("kernels compiled (%s attention, %s layers), %.1f s", self.backend.name,
+                     "fused" if self.uses_fused_layers else "torch", time.perf_counter() - start)
+            if self.graphs is not None:
+                self.graphs.capture_all()
+        return time.perf_counter() - start
 
     # ---- properties -------------------------------------------------------------------------
     @property
@@ -346,9 +382,17 @@ class Worker:
         if self.graphs is not None and len(input_ids) == len(flat_spans):  # decode-only
             width = max(-(-span.context_len // self.block_size) for span in flat_spans)
             bucket = self.graphs.bucket_for(len(flat_spans), width)
+        sample_rows = [
+            SamplingRow(self._requests[rid].sampling_params, self._requests[rid].num_output_tokens)
+            for rid in sampling_ids
+        ]
+        # On CUDA the random rows' sampling parameters ride in the same upload (no sync).
+        sampling = (self.sampler.device_sampling(sample_rows) if self.device.type == "cuda"
+                    else None)
         # One host build and one copy to the device for the whole step (attention/metadata.py).
         meta = StepMetadata.build(flat_spans, input_ids, self.block_size, self._staging,
-                                  logits_indices=last_rows, pad_to=bucket)
+                                  logits_indices=last_rows, pad_to=bucket,
+                                  extra=() if sampling is None else sampling.arrays)
         if bucket is not None:
             assert self.graphs is not None
             hidden = self.graphs.run(meta)  # [bucket, hidden], padding rows past the real ones
@@ -366,20 +410,16 @@ class Worker:
             logits = all_logits[meta.logits_indices]
         else:
             logits = self.model.compute_logits(hidden[meta.logits_indices])  # [S, vocab]
-        rows = [
-            SamplingRow(self._requests[rid].sampling_params, self._requests[rid].num_output_tokens)
-            for rid in sampling_ids
-        ]
         if self.device.type == "cuda":
             # The step's one device-to-host copy, queued behind the step: into pinned memory,
             # so that it runs asynchronously; `wait` reads it once `done` has passed.
-            ids = self.sampler.ids_on_device(logits, rows)
-            pending.host_ids = self._pinned_ids(len(rows))
+            ids = self.sampler.sample_on_device(logits, sampling, meta.extra)
+            pending.host_ids = self._pinned_ids(len(sample_rows))
             pending.host_ids.copy_(ids, non_blocking=True)
             pending.done = torch.cuda.Event(enable_timing=True)
             pending.done.record()
         else:
-            pending.tokens = self.sampler(logits, rows)
+            pending.tokens = self.sampler(logits, sample_rows)
             pending.end_s = time.perf_counter()  # the step has run: its time ends here
         return pending
 

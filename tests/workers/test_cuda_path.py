@@ -15,9 +15,11 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
+from controller.messages import SamplingParams
 from tests.workers.attention_cases import make_case, torch_reference
 from tests.workers.helpers import Driver, build_hf_checkpoint, random_ids
 from workers.attention.triton_backend import TritonBackend
+from workers.cuda_graphs import graph_buckets
 from workers.worker import Worker
 
 CUDA = torch.device("cuda")
@@ -84,8 +86,41 @@ def test_fp32_greedy_equals_transformers_on_cuda(checkpoint, cuda_graphs):
         driver.step({rid: 1 for rid in prompts})
     for rid, prompt in prompts.items():
         assert driver.tokens[rid][len(prompt) : len(prompt) + 24] == want[rid], rid
-    if cuda_graphs:
-        assert worker.graphs is not None and sorted(worker.graphs.graphs) == [4]
+    if cuda_graphs:  # every bucket captured at start, none later
+        assert worker.graphs is not None and sorted(worker.graphs.graphs) == graph_buckets(8)
+
+
+def test_start_up_compiles_and_captures_and_a_step_never_syncs(checkpoint):
+    """Start-up does the slow things (kernels compiled, every graph bucket captured) before
+    the first step; `launch` of mixed and decode-only steps, with greedy, seeded and unseeded
+    random rows, top-k and top-p, runs with CUDA's sync debug mode set to raise."""
+    worker = Worker(str(checkpoint), num_kv_blocks=256, block_size=16, device="cuda",
+                    max_graph_batch=8)
+    assert worker.uses_fused_layers and worker.startup_s > 0
+    assert worker.graphs is not None and sorted(worker.graphs.graphs) == graph_buckets(8)
+    captured = dict(worker.graphs.graphs)
+    launch = worker.launch
+
+    def strict_launch(plan):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(plan)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    worker.launch = strict_launch  # `execute` calls launch, then wait (whose sync is allowed)
+    driver = Driver(worker)
+    params = [SamplingParams(temperature=0.0, max_tokens=99),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=99),
+              SamplingParams(temperature=1.1, top_k=5, max_tokens=99)]
+    for i, n in enumerate((7, 40, 21)):
+        driver.add(f"r{i}", random_ids(n, seed=i), params[i])
+    driver.step({"r0": 7, "r1": 30, "r2": 21})  # mixed
+    driver.step({"r0": 1, "r1": 10, "r2": 1})
+    for _ in range(5):
+        driver.step({"r0": 1, "r1": 1, "r2": 1})  # decode-only: a graph replay
+    assert worker.graphs.graphs == captured  # nothing captured inside a step
+    assert all(len(driver.tokens[f"r{i}"]) == n + 6 for i, n in enumerate((7, 40, 21)))
 
 
 def test_step_pipeline_on_cuda_gives_the_serial_tokens(checkpoint):
