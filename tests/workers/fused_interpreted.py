@@ -132,3 +132,15 @@ def test_fused_model_equals_the_torch_path():
     for (k1, v1), (k2, v2) in zip(got_kv, want_kv, strict=True):
         torch.testing.assert_close(k1, k2, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(v1, v2, atol=1e-5, rtol=1e-5)
+
+
+def test_the_benchmarks_kernel_check_passes_on_the_triton_path():
+    """The GPU benchmark's kernel check (benchmarks/gpu_smoke.py), its Triton branch, at a
+    small shape: what the device's smoke phase runs reports every kernel within tolerance."""
+    from benchmarks.gpu_smoke import kernel_check
+
+    report = kernel_check(4, 2, 16, 64, 96, 16, CPU, triton=True,
+                          shape=[(40, 1), (3, 1), (0, 1), (20, 9), (0, 13)],
+                          dtypes=(torch.float32, torch.float16))
+    assert report["all_ok"], report
+    assert len(report["fused"]) == 2 and "triton_split_vs_torch_max_err" in report["attention"][0]
