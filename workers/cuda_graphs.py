@@ -71,6 +71,7 @@ class DecodeGraphs:
         self.block_table = torch.zeros((n, max_blocks_per_seq), **zeros)
         self.hidden = torch.zeros((n, hidden_size), dtype=dtype, device=device)
         self.graphs: dict[int, Callable[[], None]] = {}  # bucket -> replay
+        self.num_replays = 0
         self.pool = None
 
     def bucket_for(self, num_seqs: int, max_blocks: int) -> int | None:
@@ -106,6 +107,7 @@ class DecodeGraphs:
         if replay is None:  # a capture takes a second: never inside a step
             raise RuntimeError(f"no CUDA graph for bucket {size}: capture_all() at start")
         replay()
+        self.num_replays += 1
         return self.hidden[:size]
 
     def capture_all(self) -> float:
