@@ -1,10 +1,12 @@
-"""`benchmarks.gpu_bench --quick` end to end on CPU, as the GPU machine would run it: in a
-fresh interpreter where importing Ray or pydantic fails (that machine has neither)."""
+"""The device check's CPU dry run: `benchmarks/gpu_check.sh` with `--quick --device cpu`, as
+the GPU machine would run it: every Python it starts (the benchmark, then pytest on the CUDA
+tests, which skip here) refuses to import Ray or pydantic (that machine has neither)."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -16,10 +18,11 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 BLOCKED = ("ray", "pydantic", "pydantic_settings", "pydantic_core")
 
-# Runs in the child: a meta-path finder that refuses the blocked packages, then the bench.
-# A refused import is recorded in a file, so an import swallowed by a try/except still shows.
-BOOT = textwrap.dedent("""
-    import importlib.abc, runpy, sys
+# A sitecustomize on PYTHONPATH: every interpreter the script starts installs a meta-path
+# finder that refuses the blocked packages. A refused import is recorded in a file, so an
+# import swallowed by a try/except still shows.
+SITECUSTOMIZE = textwrap.dedent("""
+    import importlib.abc, sys
     blocked, log = {blocked!r}, {log!r}
 
     class Blocker(importlib.abc.MetaPathFinder):
@@ -31,8 +34,6 @@ BOOT = textwrap.dedent("""
             return None
 
     sys.meta_path.insert(0, Blocker())
-    sys.argv = ["gpu_bench", *{argv!r}]
-    runpy.run_module("benchmarks.gpu_bench", run_name="__main__")
 """)
 
 
@@ -43,13 +44,20 @@ def _finite(value: object) -> bool:
 @pytest.fixture(scope="module")
 def quick_report(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path, str]:
     tmp = tmp_path_factory.mktemp("gpu_bench")
-    out, log = tmp / "gpu.json", tmp / "blocked.txt"
-    argv = ["--quick", "--device", "cpu", "--out", str(out), "--work-dir", str(tmp / "work")]
-    code = BOOT.format(blocked=BLOCKED, log=str(log), argv=argv)
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    log, site = tmp / "blocked.txt", tmp / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE.format(blocked=BLOCKED, log=str(log)))
+    env = {**os.environ, "OUT": str(tmp / "out"), "PYTHON": sys.executable,
+           "PYTHONPATH": f"{site}:{ROOT}",
+           "GPU_BENCH_ARGS": f"--quick --device cpu --work-dir {tmp / 'work'}"}
+    proc = subprocess.run(["bash", "benchmarks/gpu_check.sh"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    check_log = (tmp / "out" / "gpu_check.log").read_text()
+    assert "no nvidia-smi: a dry run" in check_log and "wrote " in check_log
+    assert " passed" in check_log  # the CUDA tests' CPU part ran under the same blocker
     attempts = log.read_text() if log.exists() else ""
+    out = tmp / "out" / "gpu.json"
     return json.loads(out.read_text()), out, attempts
 
 
