@@ -205,8 +205,9 @@ class Worker:
         bucket captured. Warm-up steps write no K/V (slot -1) into a cache nothing uses yet.
         A compile failure raises here. -> seconds taken."""
         start = time.perf_counter()
-        chunk = 2 * self.block_size + 3
-        spans = [SeqSpan(0, 1, 1, [0]), SeqSpan(1, chunk, chunk, list(range(3)))]
+        chunk = 2 * self.block_size + 3  # three blocks: the prefill kernel's multi-block loop
+        blocks = [b % self.num_kv_blocks for b in range(3)]
+        spans = [SeqSpan(0, 1, 1, blocks[:1]), SeqSpan(1, chunk, chunk, blocks)]
         with torch.inference_mode():
             for step_spans, no_context in ((spans, False), (spans[:1], True)):
                 num_tokens = sum(s.num_query_tokens for s in step_spans)
