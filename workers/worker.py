@@ -9,9 +9,12 @@ end of its known tokens.
 Execution of a step: the spans are laid out decodes first (longest context first), then the
 chunks; `StepMetadata.build` packs ids, positions, slots and block table on the host and copies
 them to the device at once (workers/attention/metadata.py); the attention backend prepares the
-step once for all layers (`attention_backend`: triton on CUDA, torch on CPU). On CUDA,
-decode-only steps replay a CUDA graph of their batch-size bucket (workers/cuda_graphs.py) and
-mixed steps run eagerly; tokens are sampled on the device and copied back in one copy.
+step once for all layers (`attention_backend`: triton on CUDA, torch on CPU). On CUDA the
+layers are the fused ones (workers/kernels/fused_llama.py), every kernel is compiled and every
+graph bucket captured when the worker starts (`_warm_up`), decode-only steps replay a CUDA
+graph of their batch-size bucket (workers/cuda_graphs.py) and mixed steps run eagerly; the
+random rows' sampling parameters ride in the metadata upload, tokens are sampled on the
+device and copied back in one copy: nothing in `launch` waits for the device.
 
 Bytes-moved estimate (feeds the CPU bandwidth telemetry), per step:
     weights read   = every weight matrix once (the embedding table only for its T gathered
