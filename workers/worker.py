@@ -222,7 +222,8 @@ class Worker:
                 hidden = self.forward(meta.input_ids, meta.positions,
                                       self.backend.prepare(meta), self.kv_caches)
                 self.sampler.sample_on_device(self.model.compute_logits(hidden[:1]), None, ())
-            torch.cuda.synchronize(self.device)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
             log.info("kernels compiled (%s attention, %s layers), %.1f s", self.backend.name,
                      "fused" if self.uses_fused_layers else "torch", time.perf_counter() - start)
             if self.graphs is not None:

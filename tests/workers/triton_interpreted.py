@@ -165,8 +165,11 @@ def test_decode_graph_runner_equals_eager(monkeypatch):
                                          max_batch=4, max_blocks_per_seq=8, block_size=16,
                                          hidden_size=cfg.hidden_size, dtype=torch.float32,
                                          device=CPU)
-            worker.graphs.capture_all()
+            kv_before = [(k.clone(), v.clone()) for k, v in worker.kv_caches]
+            assert worker._warm_up() > 0  # what a CUDA worker runs at start
             assert sorted(worker.graphs.graphs) == [1, 2, 4] and len(captured) == 3
+            for (k, v), (k0, v0) in zip(worker.kv_caches, kv_before, strict=True):
+                assert torch.equal(k, k0) and torch.equal(v, v0)  # the warm-up wrote no K/V
         driver = Driver(worker)
         for rid, ids in prompts.items():
             driver.add(rid, ids)
