@@ -10,9 +10,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}
-BENCH_BUDGET_S=${BENCH_BUDGET_S:-330}  # no benchmark phase starts after this
-BENCH_LIMIT_S=${BENCH_LIMIT_S:-420}    # SIGTERM: the running phase is recorded as cut
-TESTS_LIMIT_S=${TESTS_LIMIT_S:-150}
+BENCH_BUDGET_S=${BENCH_BUDGET_S:-300}  # no benchmark phase starts after this
+BENCH_LIMIT_S=${BENCH_LIMIT_S:-400}    # SIGTERM: the running phase is recorded as cut
+TESTS_LIMIT_S=${TESTS_LIMIT_S:-170}
 PYTHON=${PYTHON:-python3}
 # The CPU dry run (tests/test_gpu_bench.py): GPU_BENCH_ARGS="--quick --device cpu".
 read -r -a BENCH_ARGS <<< "${GPU_BENCH_ARGS:-}"

@@ -338,8 +338,9 @@ class Worker:
             start_event.record()
         for request_id in plan.finished_request_ids:  # first: a preempted id may come back new
             self._requests.pop(request_id, None)
+        moves = None
         if plan.block_moves:
-            self._move_blocks(plan.block_moves)
+            moves = self._remap_blocks(plan.block_moves)
         for new in plan.new_requests:
             self._add_request(new)
         for cached in plan.cached_requests:
@@ -365,6 +366,8 @@ class Worker:
             scheduled.append((request_id, state, begin, num_tokens))
         pending = PendingStep(plan, start_s, start_event)
         if not scheduled:
+            if moves is not None:
+                self._copy_blocks(*(torch.from_numpy(a).to(self.device) for a in moves))
             pending.end_s = time.perf_counter()
             return pending
         flat = sorted(scheduled, key=lambda s: (s[3] != 1, -(s[2] + s[3]) if s[3] == 1 else 0))
@@ -395,9 +398,12 @@ class Worker:
         sampling = (self.sampler.device_sampling(sample_rows) if self.device.type == "cuda"
                     else None)
         # One host build and one copy to the device for the whole step (attention/metadata.py).
+        extra = (() if sampling is None else sampling.arrays) + (() if moves is None else moves)
         meta = StepMetadata.build(flat_spans, input_ids, self.block_size, self._staging,
-                                  logits_indices=last_rows, pad_to=bucket,
-                                  extra=() if sampling is None else sampling.arrays)
+                                  logits_indices=last_rows, pad_to=bucket, extra=extra)
+        sampling_inputs = meta.extra[: len(extra) - (0 if moves is None else 2)]
+        if moves is not None:  # before the forward reads them, from the same upload
+            self._copy_blocks(*meta.extra[-2:])
         if bucket is not None:
             assert self.graphs is not None
             hidden = self.graphs.run(meta)  # [bucket, hidden], padding rows past the real ones
@@ -418,7 +424,7 @@ class Worker:
         if self.device.type == "cuda":
             # The step's one device-to-host copy, queued behind the step: into pinned memory,
             # so that it runs asynchronously; `wait` reads it once `done` has passed.
-            ids = self.sampler.sample_on_device(logits, sampling, meta.extra)
+            ids = self.sampler.sample_on_device(logits, sampling, sampling_inputs)
             pending.host_ids = self._pinned_ids(len(sample_rows))
             pending.host_ids.copy_(ids, non_blocking=True)
             pending.done = torch.cuda.Event(enable_timing=True)
@@ -463,17 +469,23 @@ class Worker:
             result.bandwidth_utilization = sample.bandwidth_utilization
         return result
 
-    def _move_blocks(self, moves: dict[int, int]) -> None:
-        """Defragmentation: sources and destinations are disjoint sets (the controller moves
-        used blocks from above the compact region into free slots below it), so one batched
-        index copy per tensor is exact."""
-        src = torch.tensor(list(moves), dtype=torch.int64, device=self.device)
-        dst = torch.tensor(list(moves.values()), dtype=torch.int64, device=self.device)
-        for k_cache, v_cache in self.kv_caches:
-            k_cache[dst] = k_cache[src]
-            v_cache[dst] = v_cache[src]
+    def _remap_blocks(self, moves: dict[int, int]) -> tuple[np.ndarray, np.ndarray]:
+        """Defragmentation, host side: the requests' block tables follow the moves at once;
+        -> (sources, destinations), whose K/V rows `_copy_blocks` moves (on CUDA from the
+        step's metadata upload: no pageable copy, no sync)."""
+        self._check_blocks([*moves, *moves.values()])
         for state in self._requests.values():
             state.block_ids[:] = [moves.get(b, b) for b in state.block_ids.tolist()]
+        return (np.fromiter(moves, np.int64, len(moves)),
+                np.fromiter(moves.values(), np.int64, len(moves)))
+
+    def _copy_blocks(self, src: Tensor, dst: Tensor) -> None:
+        """Sources and destinations are disjoint sets (the controller moves used blocks from
+        above the compact region into free slots below it), so one batched index copy per
+        tensor is exact."""
+        for k_cache, v_cache in self.kv_caches:
+            k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
+            v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
 
     def _finish_step(
         self, plan: StepPlan, spans: dict[str, SeqSpan], sampled: dict[str, int], elapsed_s: float
