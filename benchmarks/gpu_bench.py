@@ -754,10 +754,16 @@ def measure_kernel_count(cfg: GpuBenchConfig) -> dict[str, Any]:
 
     model_cfg = ModelConfig.from_dict(preset_config_dict(cfg.model))
     dtype = getattr(torch, cfg.dtype)
+    chunk = (cfg.mixed_depth, cfg.mixed_chunk)
     return {"fused": count_decode_kernels(model_cfg, cfg.decode_batch, cfg.decode_context,
                                           dtype),
             "unfused": count_decode_kernels(model_cfg, cfg.decode_batch, cfg.decode_context,
-                                            dtype, fused=False)}
+                                            dtype, fused=False),
+            # The mixed step runs eagerly: its count is the ops the host dispatches.
+            "mixed_fused": count_decode_kernels(model_cfg, cfg.mixed_decodes, 256, dtype,
+                                                chunk=chunk),
+            "mixed_unfused": count_decode_kernels(model_cfg, cfg.mixed_decodes, 256, dtype,
+                                                  fused=False, chunk=chunk)}
 
 
 def run(cfg: GpuBenchConfig, device: torch.device, work_dir: Path, png: Path | None,

@@ -48,3 +48,14 @@ def test_decode_step_kernels_per_layer(batch):
     # The counter sees the torch layers' many small ops: what the fusion removed.
     unfused = count_decode_kernels(cfg, batch, 1024, fused=False)
     assert unfused["per_layer"] >= 3 * fused["per_layer"], unfused["per_layer_ops"]
+
+
+def test_mixed_step_dispatches_under_a_third_of_the_ops():
+    """A mixed step runs eagerly: every counted kernel is an op the host dispatches. 32
+    decodes and a 2,048-token chunk at depth 8,192 (the GPU benchmark's mixed step)."""
+    cfg = ModelConfig.from_dict(preset_config_dict(LLAMA_1B))
+    fused = count_decode_kernels(cfg, 32, 256, chunk=(8192, 2048))
+    unfused = count_decode_kernels(cfg, 32, 256, fused=False, chunk=(8192, 2048))
+    # Decodes and the chunk: two attention launches (decode and prefill programs).
+    assert fused["per_layer_ops"]["triton::unified_attention"] == 2
+    assert fused["per_layer"] == 10 and 3 * fused["per_step"] <= unfused["per_step"]

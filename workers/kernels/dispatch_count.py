@@ -82,31 +82,46 @@ def _to_meta(meta: StepMetadata) -> StepMetadata:
 
 
 def count_step(cfg: ModelConfig, batch: int, context: int, dtype: torch.dtype,
-               block_size: int = 16, num_sms: int = 132, fused: bool = True) -> Counter[str]:
+               block_size: int = 16, num_sms: int = 132, fused: bool = True,
+               chunk: tuple[int, int] | None = None) -> Counter[str]:
     """Kernels of one decode-only step of `batch` sequences at `context` tokens, as captured
     in a CUDA graph (prepared without a known context), logits and greedy sampling included.
     `fused` False: the unfused torch layers (`LlamaForCausalLM.forward`) over the same
-    attention kernels, for comparison."""
+    attention kernels, for comparison. `chunk` (depth, tokens): a mixed step instead, the
+    decodes plus one prefill chunk starting at `depth`, prepared as an eager step is; its
+    count is also the ATen ops the host dispatches for it, one by one."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg).to(dtype)
     model.fuse_projections()
     model.reset_rotary(torch.device("meta"))
     ops: Counter[str] = Counter()
     kernels = CountingKernels(ops)
-    forward = FusedLlama(model, kernels=kernels, num_positions=context + 1) if fused else model
+    depth, chunk_len = chunk or (0, 0)
+    num_positions = max(context, depth + chunk_len) + 1
+    forward = FusedLlama(model, kernels=kernels, num_positions=num_positions) if fused else model
     backend = TritonBackend(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                             dtype, torch.device("meta"), kernels=kernels, num_sms=num_sms)
     blocks = -(-context // block_size)
     spans = [SeqSpan(i, 1, context, np.arange(i * blocks, (i + 1) * blocks))
              for i in range(batch)]
-    meta = StepMetadata.build(spans, np.zeros(batch, np.int64), block_size,
-                              HostStaging(torch.device("cpu")), logits_indices=range(batch))
-    meta = replace(_to_meta(meta), max_seq_len=None)  # as a graph capture prepares it
-    shape = (batch * blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    num_blocks = batch * blocks
+    if chunk_len:
+        chunk_blocks = -(-(depth + chunk_len) // block_size)
+        spans.append(SeqSpan(batch, chunk_len, depth + chunk_len,
+                             np.arange(num_blocks, num_blocks + chunk_blocks)))
+        num_blocks += chunk_blocks
+    num_tokens = batch + chunk_len
+    rows_sampled = [*range(batch), *([num_tokens - 1] if chunk_len else [])]
+    meta = StepMetadata.build(spans, np.zeros(num_tokens, np.int64), block_size,
+                              HostStaging(torch.device("cpu")), logits_indices=rows_sampled)
+    meta = _to_meta(meta)
+    if not chunk_len:
+        meta = replace(meta, max_seq_len=None)  # as a graph capture prepares it
+    shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
     kv_caches = [(torch.empty(shape, dtype=dtype, device="meta"),
                   torch.empty(shape, dtype=dtype, device="meta"))
                  for _ in range(cfg.num_hidden_layers)]
-    rows = [SamplingRow(SamplingParams(temperature=0.0), 0)] * batch
+    rows = [SamplingRow(SamplingParams(temperature=0.0), 0)] * len(rows_sampled)
     counter = OpCounter()
     with counter:
         attn = backend.prepare(meta)
@@ -117,14 +132,14 @@ def count_step(cfg: ModelConfig, batch: int, context: int, dtype: torch.dtype,
 
 
 def count_decode_kernels(cfg: ModelConfig, batch: int, context: int,
-                         dtype: torch.dtype = torch.bfloat16, fused: bool = True
-                         ) -> dict[str, Any]:
+                         dtype: torch.dtype = torch.bfloat16, fused: bool = True,
+                         chunk: tuple[int, int] | None = None) -> dict[str, Any]:
     """-> {"per_step", "per_layer", "outside_layers", "per_layer_ops", "outside_layer_ops"}:
     a layer's kernels are the difference between the model and the same model one layer
-    shorter (`cfg` needs two layers or more)."""
-    full = count_step(cfg, batch, context, dtype, fused=fused)
+    shorter (`cfg` needs two layers or more). `chunk`: a mixed step (see `count_step`)."""
+    full = count_step(cfg, batch, context, dtype, fused=fused, chunk=chunk)
     shorter = count_step(replace(cfg, num_hidden_layers=cfg.num_hidden_layers - 1), batch,
-                         context, dtype, fused=fused)
+                         context, dtype, fused=fused, chunk=chunk)
     layer = full - shorter
     outside = shorter - Counter({k: v * (cfg.num_hidden_layers - 1) for k, v in layer.items()})
     return {"batch": batch, "context": context, "num_layers": cfg.num_hidden_layers,
