@@ -653,6 +653,7 @@ class PhaseLog:
     def __init__(self, out: Path, report: dict[str, Any], budget_s: float | None) -> None:
         self.out, self.report, self.budget_s = out, report, budget_s
         self.started = time.perf_counter()
+        self.current: str | None = None  # the phase running, or last run
         report["phases"] = {}
         out.parent.mkdir(parents=True, exist_ok=True)
         self.write()
@@ -669,7 +670,16 @@ class PhaseLog:
     def errors(self) -> list[str]:
         return [n for n, e in self.report["phases"].items() if e["status"] == "error"]
 
+    def mark_cut(self, err: BaseException) -> None:
+        """An interruption that struck outside a phase's own handler (between its progress
+        line and its call, say): the phase is recorded as cut all the same."""
+        if self.current is not None and self.current not in self.report["phases"]:
+            self.report["phases"][self.current] = {
+                "status": "error", "error": f"{type(err).__name__}: {err}", "traceback": []}
+        self.write()
+
     def run(self, name: str, fn: Callable[[], Any], needs: tuple[str, ...] = ()) -> Any:
+        self.current = name
         elapsed = time.perf_counter() - self.started
         missing = [n for n in needs if not self.is_ok(n)]
         result, entry = None, {}
@@ -847,24 +857,31 @@ def run(cfg: GpuBenchConfig, device: torch.device, work_dir: Path, png: Path | N
         engine.run_to_completion()
         return st.profiles
 
-    # The smoke: the model up, its kernels checked, one timed decode (about two minutes).
-    log.run("checkpoint", checkpoint)
-    log.run("worker", worker, needs=("checkpoint",))
-    log.run("kernel_check", kernels)
-    log.run("smoke_decode", lambda: measure_smoke_decode(st.worker, cfg), needs=("worker",))
-    log.run("kernel_count", lambda: measure_kernel_count(cfg))
-    log.run("parity", lambda: measure_parity(st.parity_folder, device, cfg),
-            needs=("checkpoint",))
-    # The table, most important first.
-    log.run("reference", reference, needs=("checkpoint",))
-    log.run("bandwidth", bandwidth)
-    log.run("decode", decode, needs=("worker",))
-    log.run("mixed", mixed, needs=("worker",))
-    log.run("prefill", lambda: measure_prefill(st.worker, st.hf, cfg), needs=("worker",))
-    log.run("offline", lambda: measure_offline(st.worker, st.hf, cfg), needs=("worker",))
-    log.run("scene", scene, needs=("worker",))
-    log.run("profiles", profiles, needs=("worker",))
-    log.run("targets", lambda: targets(report))
+    # The smoke first: the model up, its kernels checked, one timed decode (about two
+    # minutes); then the table, most important first.
+    phases: list[tuple[str, Callable[[], Any], tuple[str, ...]]] = [
+        ("checkpoint", checkpoint, ()),
+        ("worker", worker, ("checkpoint",)),
+        ("kernel_check", kernels, ()),
+        ("smoke_decode", lambda: measure_smoke_decode(st.worker, cfg), ("worker",)),
+        ("kernel_count", lambda: measure_kernel_count(cfg), ()),
+        ("parity", lambda: measure_parity(st.parity_folder, device, cfg), ("checkpoint",)),
+        ("reference", reference, ("checkpoint",)),
+        ("bandwidth", bandwidth, ()),
+        ("decode", decode, ("worker",)),
+        ("mixed", mixed, ("worker",)),
+        ("prefill", lambda: measure_prefill(st.worker, st.hf, cfg), ("worker",)),
+        ("offline", lambda: measure_offline(st.worker, st.hf, cfg), ("worker",)),
+        ("scene", scene, ("worker",)),
+        ("profiles", profiles, ("worker",)),
+        ("targets", lambda: targets(report), ()),
+    ]
+    try:
+        for name, fn, needs in phases:
+            log.run(name, fn, needs)
+    except BenchInterrupted as err:
+        log.mark_cut(err)
+        raise
     report["wall"] = {"total_s": time.perf_counter() - log.started}
     report["errors"] = log.errors
     log.write()

@@ -145,6 +145,10 @@ def test_quick_report_host_share_and_profiles(quick_report):
     report, _, _ = quick_report
     for kind in ("decode", "decode_serial", "mixed"):
         share = report["host_share"][kind]
+        if kind == "decode":  # async: the device may hide all of it (a median of 0)
+            assert 0 <= share["controller_share"] < 1 and share["controller_ms"] >= 0
+            assert share["execute_ms"] > 0 and share["step_ms"] > 0
+            continue
         assert 0 < share["controller_share"] < 1
         assert 0 < share["controller_ms"] < share["step_ms"]
         assert 0 < share["execute_ms"] < share["step_ms"]
