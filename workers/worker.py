@@ -205,9 +205,11 @@ class Worker:
         """The slow things once, before the worker reports ready, never inside a step: every
         Triton kernel compiled (an eager mixed step, then a decode-only one prepared as a
         graph capture prepares it, which takes the split-K kernels), then every CUDA-graph
-        bucket captured. Warm-up steps write no K/V (slot -1) into a cache nothing uses yet.
-        A compile failure raises here. -> seconds taken."""
+        bucket captured. Warm-up steps write no K/V (slot -1: the Triton kernels skip it).
+        A compile failure raises here. -> seconds taken (0 for the torch backend)."""
         start = time.perf_counter()
+        if self.backend.name != "triton":  # nothing to compile; SDPA needs no warm-up here
+            return 0.0
         chunk = 2 * self.block_size + 3  # three blocks: the prefill kernel's multi-block loop
         blocks = [b % self.num_kv_blocks for b in range(3)]
         spans = [SeqSpan(0, 1, 1, blocks[:1]), SeqSpan(1, chunk, chunk, blocks)]

@@ -104,6 +104,35 @@ def test_start_up_compiles_and_captures_and_a_step_never_syncs(checkpoint):
     assert all(len(driver.tokens[f"r{i}"]) == n + 6 for i, n in enumerate((7, 40, 21)))
 
 
+@pytest.mark.parametrize(("dtype", "tol"), [("float32", 1e-4), ("bfloat16", 0.1)])
+def test_fused_layers_match_the_torch_layers_on_cuda(checkpoint, dtype, tol):
+    """The CUDA path (fused layers, Triton attention, graphs) against the torch layers on
+    SDPA (`attention_backend="torch"`), same device and weights: a mixed step, then
+    decode-only ones; logits within the dtype's rounding (bf16: rounding compounds over
+    layers), the same K/V written."""
+    runs = []
+    for backend in ("triton", "torch"):
+        worker = Worker(str(checkpoint), num_kv_blocks=64, block_size=16, device="cuda",
+                        dtype=dtype, attention_backend=backend, keep_logits=True,
+                        max_graph_batch=4)
+        assert worker.uses_fused_layers == (backend == "triton")
+        driver = Driver(worker)
+        for i, n in enumerate((3, 40, 77)):
+            driver.add(f"r{i}", random_ids(n, seed=400 + i))
+        logits = []
+        for step in ({"r0": 3, "r1": 40, "r2": 50}, {"r0": 1, "r1": 1, "r2": 27},
+                     {"r0": 1, "r1": 1, "r2": 1}, {"r0": 1, "r1": 1, "r2": 1}):
+            driver.step(step)
+            logits += [worker.span_logits[rid].float() for rid in step]
+        runs.append((logits, worker.kv_caches))
+    (fused, fused_kv), (plain, plain_kv) = runs
+    for a, b in zip(fused, plain, strict=True):
+        torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+    for (k1, v1), (k2, v2) in zip(fused_kv, plain_kv, strict=True):
+        torch.testing.assert_close(k1.float(), k2.float(), atol=tol, rtol=tol)
+        torch.testing.assert_close(v1.float(), v2.float(), atol=tol, rtol=tol)
+
+
 def test_step_pipeline_on_cuda_gives_the_serial_tokens(checkpoint):
     """The step pipeline (controller/pipeline.py) where `launch` returns before the device
     has run the step: the same tokens as serial stepping, greedy and seeded sampling, with
