@@ -88,9 +88,17 @@ def ray_num_cpus(config: TokenflowConfig) -> int:
     return max(os.cpu_count() or 1, math.ceil(need))
 
 
-def describe_budget(budget: dict[str, Any]) -> str:
-    """Where the step budget came from, in one line (`model_info()["budget"]`)."""
+def describe_budget(budget: dict[str, Any], config: TokenflowConfig | None = None) -> str:
+    """Where the step budget came from and why, in one line (`model_info()["budget"]`;
+    `config`: the one the controller was started with, which says what was explicit)."""
     tokens, source = budget["max_num_batched_tokens"], budget["source"]
+    if config is not None and config.budget_is_explicit:
+        line = (f"step budget {tokens} tokens: set explicitly "
+                f"(scheduler.max_num_batched_tokens), so no automatic calibration")
+        if source == "file":
+            line += (f"; the budget file {config.calibration.budget_file} sizes chunks "
+                     f"under the ITL SLO, its recommended budget is not used")
+        return line
     if source == "measured":
         return (f"step budget {tokens} tokens: measured on worker 0 ({budget['device_name']}, "
                 f"{budget['threads']} threads) in {budget['measure_s']:.1f} s, cached in "
@@ -98,7 +106,9 @@ def describe_budget(budget: dict[str, Any]) -> str:
     if source == "cache":
         return f"step budget {tokens} tokens: worker 0's cached table {budget['path']}"
     if source == "file":
-        return f"step budget {tokens} tokens: the budget file (calibration.budget_file)"
+        where = f" {config.calibration.budget_file}" if config is not None else ""
+        return (f"step budget {tokens} tokens: the budget file{where} "
+                f"(calibration.budget_file), its recommendation for the ITL SLO")
     why = f" (the budget table failed: {budget['error']})" if "error" in budget else ""
     return f"step budget {tokens} tokens: fixed (scheduler.max_num_batched_tokens){why}"
 
@@ -159,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     config = config_from_args(args)
     try:
         num_keys = export_api_keys(args.api_key) + len(config.edge.api_keys)
+        options = config.controller_options()  # a budget file for another model fails here
     except ValueError as err:
         print(f"tokenflow: {err}", file=sys.stderr)
         return 2
@@ -176,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _interrupt)
     try:
-        controller = get_or_create_controller(config.controller_options())
+        controller = get_or_create_controller(options)
         if config.auto_budget() is not None:  # the controller logs its progress every 10 s
             print("starting: worker 0 loads its step budget table from the cache or, on a "
                   "first start, measures it (a short run)", flush=True)
@@ -186,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         url = f"http://{config.cluster.host}:{config.cluster.port}"
         print(f"tokenflow serving {config.worker.model_name} with {info['num_workers']} worker(s) "
               f"on {', '.join(info['devices'])}", flush=True)
-        print(describe_budget(info["budget"]), flush=True)
+        print(describe_budget(info["budget"], config), flush=True)
         print(f"OpenAI API at {url}/v1  (health: {url}/health)  Ctrl-C stops", flush=True)
         cluster = config.cluster
         reason = watch_health(lambda: _ping(controller, cluster.ready_wait_s),

@@ -21,12 +21,14 @@ never timed.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -81,6 +83,14 @@ class CalibrationSpec:
         decode_blocks = max(self.decode_batches) * _blocks(max(self.decode_contexts) + 1,
                                                            self.block_size)
         return max(_blocks(max_len, self.block_size), decode_blocks, 2)
+
+
+def model_config_sha256(worker: Worker) -> str:
+    """The model's identity: its config.json's hash (a budget table is for this model)."""
+    config = Path(worker.model_path) / "config.json"
+    config_bytes = config.read_bytes() if config.is_file() else \
+        repr(worker.model_config).encode()
+    return hashlib.sha256(config_bytes).hexdigest()
 
 
 def tile_grid(unit: int, max_tokens: int) -> tuple[int, ...]:
@@ -269,5 +279,6 @@ class Calibrator:
         spec_json = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(spec).items()}
         return {"schema_version": SCHEMA_VERSION, "created_unix": time.time(),
                 "device_name": name, "spec": spec_json,
+                "model_config_sha256": model_config_sha256(self.worker),
                 "model_stats": self.model_stats(weight_bits), "hardware": hardware, "kv": kv,
                 "prefill": prefill, "decode": decode}
