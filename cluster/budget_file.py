@@ -144,6 +144,16 @@ class Recommendation(_Part):
     limited_by: str
 
 
+class Noise(_Part):
+    """Relative spread (interquartile range / median) of each quantity `--check` compares:
+    the median over points for step times, over runs for the probes."""
+
+    prefill_time: NonNeg
+    decode_time: NonNeg
+    peak_flops: NonNeg
+    memory_bandwidth: NonNeg
+
+
 class BudgetFile(_Part):
     schema_version: Literal[SCHEMA_VERSION]  # type: ignore[valid-type]
     created_unix: NonNeg
@@ -161,6 +171,7 @@ class BudgetFile(_Part):
     # The measured model's config.json hash (absent in older tables): the same model under
     # another path is still the same model.
     model_config_sha256: str | None = None
+    noise: Noise | None = None  # absent in older tables: no allowance beyond the tolerance
 
 
 def validate_budget(data: Any, source: str = "budget table") -> None:

@@ -135,8 +135,23 @@ class CalibrationConfig(BaseModel):
     memory_fraction: float = Field(0.9, gt=0, le=1, description=(
         "Share of the device's total memory that weights plus KV blocks may take."))
     check_tolerance: float = Field(0.10, gt=0, description=(
-        "`tokenflow calibrate --check` fails when a quantity drifted more than this "
-        "(symmetric: max(new/old, old/new) - 1) from the table."))
+        "`tokenflow calibrate --check` fails when a quantity drifted more than this plus "
+        "its allowance for noise (symmetric: max(new/old, old/new) - 1) from the table."))
+    check_noise_factor: float = Field(2.0, ge=0, description=(
+        "The noise allowance of `--check`: this many times the larger of the two runs' "
+        "measured spread of a quantity (the relative interquartile range of its samples, "
+        "median over points), added to check_tolerance."))
+    max_duration_s: float = Field(150.0, gt=0, description=(
+        "`tokenflow calibrate` (not --quick, not --check) sizes its grid to finish the "
+        "sweep in about this long on this device: after a pilot it lowers iters to "
+        "min_iters and warmup to 1, then drops the largest chunk sizes (keeping "
+        "min_chunk_sizes) and the deepest contexts (keeping one) until the estimate fits. "
+        "The estimate is printed before the sweep."))
+    min_iters: int = Field(10, ge=1, description=(
+        "Fewest runs kept per point when the grid is sized to max_duration_s."))
+    min_chunk_sizes: int = Field(3, ge=2, description=(
+        "Fewest prefill chunk sizes kept when the grid is sized to max_duration_s (the fit "
+        "needs several)."))
 
 
 class ApiKey(BaseModel):
