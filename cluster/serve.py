@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import logging
 import math
 import os
 import signal
@@ -113,6 +114,17 @@ def describe_budget(budget: dict[str, Any], config: TokenflowConfig | None = Non
     return f"step budget {tokens} tokens: fixed (scheduler.max_num_batched_tokens){why}"
 
 
+class _DropMessage(logging.Filter):
+    """Drops one logger's records that start with `prefix` (start-up noise we caused)."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefix)
+
+
 def _interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
@@ -193,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
                   "first start, measures it (a short run)", flush=True)
         info = ray.get(controller.model_info.remote())
         serve.start(http_options={"host": config.cluster.host, "port": config.cluster.port})
+        # serve.run finds the Serve instance started just above and says so at INFO, which
+        # on a fresh start reads as if another server were running.
+        logging.getLogger("ray.serve").addFilter(_DropMessage("Connecting to existing Serve"))
         serve.run(build_app(config.model_dump()), name="tokenflow", route_prefix="/")
         url = f"http://{config.cluster.host}:{config.cluster.port}"
         print(f"tokenflow serving {config.worker.model_name} with {info['num_workers']} worker(s) "
