@@ -7,7 +7,9 @@ process owns it (it lives exactly as long as the server) and a broken model fail
 instead of on the first request. It then watches the service: restarts of workers and of
 the controller are pauses, but when the service has not been healthy for
 `cluster.give_up_after_s` (or the controller is gone for good) it exits non-zero, so that a
-supervisor (systemd, Kubernetes) restarts it. SIGTERM and Ctrl-C shut Serve and Ray down.
+supervisor (systemd, Kubernetes) restarts it. SIGTERM and Ctrl-C shut Serve and Ray down
+and exit 0 (under `make serve`, make itself then reports the signal: 143; a supervisor runs
+this module directly). Start-up prints the step budget in use and why (`describe_budget`).
 
 Loopback by default: HTTP on 127.0.0.1 (`--host` to change it; 0.0.0.0 without API keys
 warns), and Ray's node address, agents and metrics export on 127.0.0.1. Ray's own gRPC
@@ -20,6 +22,7 @@ TOKENFLOW_API_KEYS; they reach the ingress through the environment, never its ar
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ipaddress
 import logging
 import math
@@ -101,9 +104,11 @@ def describe_budget(budget: dict[str, Any], config: TokenflowConfig | None = Non
                      f"under the ITL SLO, its recommended budget is not used")
         return line
     if source == "measured":
-        return (f"step budget {tokens} tokens: measured on worker 0 ({budget['device_name']}, "
-                f"{budget['threads']} threads) in {budget['measure_s']:.1f} s, cached in "
-                f"{budget['path']}")
+        device = budget["device_name"]
+        if "thread" not in device:  # a CPU's name says its threads already
+            device += f", {budget['threads']} threads"
+        return (f"step budget {tokens} tokens: measured on worker 0 ({device}) in "
+                f"{budget['measure_s']:.1f} s, cached in {budget['path']}")
     if source == "cache":
         return f"step budget {tokens} tokens: worker 0's cached table {budget['path']}"
     if source == "file":
@@ -224,7 +229,11 @@ def main(argv: list[str] | None = None) -> int:
         print("stopping", file=sys.stderr)
         return 0
     finally:
-        serve.shutdown()
+        # The app is deleted (its replicas drain) and Ray stops with everything else: the
+        # local cluster is this process's. Not serve.shutdown(): it kills Serve's
+        # controller under its own graceful_shutdown call, which Ray logs as a failed task.
+        with contextlib.suppress(Exception):  # Serve may never have started
+            serve.delete("tokenflow")
         ray.shutdown()
 
 

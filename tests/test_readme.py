@@ -8,7 +8,8 @@ the commands write lands there, not in the checkout); `PYTHONPATH` names the che
 its code is what runs. What changes: the port (`127.0.0.1:8000` becomes a free one),
 `builtin:bench` becomes `builtin:tiny` with a 10 s calibration budget, and `make serve`
 becomes the command `make -n serve` prints (a server, started, probed and stopped with
-SIGTERM, after which it must exit 0); blocks that cannot run here say why in `HOW`.
+SIGTERM, after which it must exit 0, having logged none of `NOISE`); blocks that cannot run
+here say why in `HOW`.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ LINKS = (".venv", "Makefile", "pyproject.toml", "requirements-cpu.txt", "example
          "dashboards")
 SERVER_START_S = 240  # a first start builds the preset and Ray; a loaded VM is slow
 COMMAND_S = 300
+# Log lines a healthy start, a few requests and a SIGTERM must not print.
+NOISE = ("Connecting to existing Serve app", "graceful_shutdown failed", "budget model says",
+         "Traceback")
 
 HOW = {
     "start": "`make serve`: started as a server from `make -n serve`, probed, stopped; "
@@ -140,7 +144,8 @@ def server(line: str, cwd: Path) -> Iterator[tuple[int, list[str]]]:
                 ready.put(True)
         ready.put(False)
 
-    threading.Thread(target=read, daemon=True).start()
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     try:
         assert ready.get(timeout=SERVER_START_S), "\n".join(lines[-40:])
         yield port, lines
@@ -152,7 +157,10 @@ def server(line: str, cwd: Path) -> Iterator[tuple[int, list[str]]]:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
             raise
+    reader.join(timeout=30)
     assert code == 0, "\n".join(lines[-40:])  # SIGTERM is a clean stop
+    noise = [x for x in lines if any(n in x for n in NOISE)]
+    assert not noise, noise
 
 
 def test_batch_local(scratch: Path) -> None:

@@ -98,12 +98,23 @@ def ray_head(tmp_path: Path) -> Iterator[tuple[dict[str, str], str]]:
         else:
             raise TimeoutError("the Ray dashboard did not come up in 120 s")
         # On loopback as asked: the raylet advertises 127.0.0.1, not the machine's address.
-        raylets = [p.cmdline() for p in psutil.Process(head.pid).children(recursive=True)
-                   if "raylet" in p.name()]
-        assert raylets and all("--node_ip_address=127.0.0.1" in c for c in raylets), raylets
+        assert raylet_addresses(env["RAY_PORT"]) == ["127.0.0.1"]
         yield env, prelude
     finally:
         stop_head(head)
+
+
+def raylet_addresses(gcs_port: str) -> list[str]:
+    """The node address each raylet of the head on `gcs_port` advertises (its command line;
+    Ray starts it detached, so it is found by its GCS port, not as a child)."""
+    addresses = []
+    for proc in psutil.process_iter(["cmdline"]):
+        args = proc.info["cmdline"] or []
+        if any(a.startswith("--gcs-address=") and a.endswith(f":{gcs_port}") for a in args) \
+                and any(a.startswith("--node_ip_address=") for a in args):
+            addresses += [a.partition("=")[2] for a in args
+                          if a.startswith("--node_ip_address=")]
+    return addresses
 
 
 def stop_head(head: subprocess.Popen) -> None:
