@@ -11,6 +11,10 @@ supervisor (systemd, Kubernetes) restarts it. SIGTERM and Ctrl-C shut Serve and 
 and exit 0 (under `make serve`, make itself then reports the signal: 143; a supervisor runs
 this module directly). Start-up prints the step budget in use and why (`describe_budget`).
 
+`--ray-address HOST:PORT` joins a running Ray head instead of starting a local Ray (a batch
+job submitted to that head then finds this server's controller); on the way out the app is
+deleted and the controller removes its workers, since the head outlives this process.
+
 Loopback by default: HTTP on 127.0.0.1 (`--host` to change it; 0.0.0.0 without API keys
 warns), and Ray's node address, agents and metrics export on 127.0.0.1. Ray's own gRPC
 servers (GCS, raylet, every worker process's core worker) bind all interfaces whatever the
@@ -51,6 +55,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "TENANT and the priority range MIN..MAX are the key's")
     ap.add_argument("--num-workers", type=int, help="CPU worker actors (no GPU present)")
     ap.add_argument("--served-model-name", help="name clients pass as `model`")
+    ap.add_argument("--ray-address", help=(
+        "join this running Ray cluster (HOST:PORT of a `ray start --head`) instead of "
+        "starting a local one; a batch job submitted to that head then uses this server's "
+        "controller"))
     ap.add_argument("--no-calibrate", action="store_true", help=(
         "fixed budgets: no budget table loaded or measured at start (calibration.auto)"))
     return ap.parse_args(argv)
@@ -194,10 +202,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"WARNING: serving on {config.cluster.host} without API keys: anyone who can "
               f"reach this port can use the model; set --api-key or {API_KEYS_ENV}",
               file=sys.stderr, flush=True)
-    # address="local": never join (or be confused by) another cluster; the default Redis
-    # port 6379 may be taken on this machine, ray.init picks free ports itself.
-    ray.init(address="local", num_cpus=ray_num_cpus(config), _node_ip_address="127.0.0.1",
-             include_dashboard=False, namespace=config.cluster.namespace)
+    if args.ray_address:  # a shared cluster: its resources and addresses are its own
+        ray.init(address=args.ray_address, namespace=config.cluster.namespace)
+    else:
+        # address="local": never join (or be confused by) another cluster; the default
+        # Redis port 6379 may be taken on this machine, ray.init picks free ports itself.
+        ray.init(address="local", num_cpus=ray_num_cpus(config), _node_ip_address="127.0.0.1",
+                 include_dashboard=False, namespace=config.cluster.namespace)
+    controller = None
     # Explicit handlers, installed after ray.init (whose own SIGTERM handler would abort
     # the process): a shell starts background jobs with SIGINT ignored, and SIGTERM
     # (docker stop, systemd) should shut Serve and Ray down as cleanly as Ctrl-C.
@@ -234,6 +246,10 @@ def main(argv: list[str] | None = None) -> int:
         # controller under its own graceful_shutdown call, which Ray logs as a failed task.
         with contextlib.suppress(Exception):  # Serve may never have started
             serve.delete("tokenflow")
+        if args.ray_address and controller is not None:
+            # A joined cluster outlives this process: its detached workers must not.
+            with contextlib.suppress(Exception):
+                ray.get(controller.shutdown.remote(), timeout=60)
         ray.shutdown()
 
 

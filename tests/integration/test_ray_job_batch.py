@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import urllib.error
@@ -202,3 +203,51 @@ def test_relative_paths_refused_under_a_ray_job(tmp_path: Path) -> None:
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "relative path" in proc.stderr and "temporary copy" in proc.stderr
+
+
+def readme_serve_on_head() -> str:
+    """The README's command that serves on the batch recipe's head."""
+    text = (ROOT / "README.md").read_text()
+    (line,) = re.findall(r"`(\.venv/bin/python -m cluster\.serve --ray-address [^`]+)`", text)
+    return line
+
+
+def test_a_job_uses_the_controller_served_on_its_head(ray_head: tuple[dict[str, str], str],
+                                                       tmp_path: Path) -> None:
+    """`cluster.serve --ray-address` joins the recipe's head; the job submitted there finds
+    that server's controller (it starts none of its own) and its requests count in the
+    server's /metrics as tenant "batch". SIGTERM stops the server cleanly (exit 0) and takes
+    its workers with it: the head outlives it."""
+    env, prelude = ray_head
+    port = free_port()
+    serve = subprocess.Popen(
+        ["bash", "-c", f"{prelude}\nexec {readme_serve_on_head()} --model builtin:tiny "
+                       f"--port {port}"],
+        cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    try:
+        assert serve.stdout is not None
+        for line in serve.stdout:  # bounded: the server exits or says it is ready
+            lines.append(line)
+            if "OpenAI API at" in line:
+                break
+        assert "OpenAI API at" in lines[-1], "".join(lines[-40:])
+        write_requests(Path(env["IN"]))
+        proc = submit(env, prelude)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert summary_of(proc)["completed"] == NUM_REQUESTS
+        assert "starting one for this job" not in proc.stdout + proc.stderr
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30)
+        text = metrics.read().decode()
+        (batch,) = [float(x.split()[-1]) for x in text.splitlines()
+                    if x.startswith('tokenflow_tenant_prefill_tokens_total{tenant="batch"')]
+        assert batch > 0
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        try:
+            code = serve.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(serve.pid, signal.SIGKILL)
+            raise
+    assert code == 0
