@@ -60,6 +60,8 @@ from workers.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+# `abort(request_id)`, or `abort(request_id, FinishReason.STOP)` when a stop string matched.
+Abort = Callable[..., None]
 METRICS = "/metrics"
 
 
@@ -269,7 +271,7 @@ def failed_message(error: str, request_id: str) -> str:
 
 
 async def collect(frontend: Frontend, prepared: Prepared, request_id: str,
-                  deltas: AsyncIterator[Delta], abort: Callable[[str], None]
+                  deltas: AsyncIterator[Delta], abort: Abort
                   ) -> tuple[TextStream, FinishReason | None, str | None]:
     """Run one request to its end: (text, finish reason, error). Used for non-streaming
     answers and by the remote batch runner."""
@@ -280,7 +282,8 @@ async def collect(frontend: Frontend, prepared: Prepared, request_id: str,
             if delta.error:
                 reason = FinishReason.ABORT
                 return text, reason, delta.error
-            _, reason = await advance(frontend, text, delta, lambda: abort(request_id))
+            _, reason = await advance(frontend, text, delta,
+                                    lambda: abort(request_id, FinishReason.STOP))
             if reason is not None:
                 break
     finally:
@@ -308,7 +311,7 @@ async def advance(frontend: Frontend, text: TextStream, delta: Delta,
 
 async def sse_events(frontend: Frontend, prepared: Prepared, request_id: str,
                      deltas: AsyncIterator[Delta],
-                     abort: Callable[[str], None]) -> AsyncIterator[bytes]:
+                     abort: Abort) -> AsyncIterator[bytes]:
     """Server-sent events of one request, ending in `data: [DONE]`. Chunks carry text
     deltas (and the delta's token ids with `return_token_ids`); the last one carries the
     finish reason; with `stream_options.include_usage` a usage chunk comes before [DONE]."""
@@ -332,7 +335,8 @@ async def sse_events(frontend: Frontend, prepared: Prepared, request_id: str,
                 yield p.sse(p.error_body(p.ProtocolError(
                     503, failed_message(delta.error, request_id), code="request_failed")))
                 break
-            piece, reason = await advance(frontend, text, delta, lambda: abort(request_id))
+            piece, reason = await advance(frontend, text, delta,
+                                    lambda: abort(request_id, FinishReason.STOP))
             if reason is not None:
                 reason = openai_finish_reason(text, reason)
             ids = delta.token_ids if return_ids else None

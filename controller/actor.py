@@ -441,16 +441,17 @@ class ControllerActor:
             sub.push(out)
         return True
 
-    async def abort(self, request_id: str) -> bool:
+    async def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
         """Abort a queued or running request; its blocks are released at once and the
-        worker is told on its next step. False when the request is unknown or finished."""
+        worker is told on its next step. False when the request is unknown or finished.
+        `reason` STOP: the edge matched a stop string (it finishes, and counts, as stop)."""
         await self._started()
-        return self._abort(request_id)
+        return self._abort(request_id, reason)
 
-    def _abort(self, request_id: str) -> bool:
+    def _abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
         assert self.core is not None
         worker = self.core.request_to_worker.get(request_id)
-        out = self.core.abort(request_id)
+        out = self.core.abort(request_id, reason)
         if out is None or worker is None:
             return False
         self.num_aborted += 1

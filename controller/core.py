@@ -25,7 +25,14 @@ from controller.histogram import (
     Histogram,
     HistogramSnapshot,
 )
-from controller.messages import CacheEvict, ChunkComplete, SamplingParams, StepPlan, StepResult
+from controller.messages import (
+    CacheEvict,
+    ChunkComplete,
+    FinishReason,
+    SamplingParams,
+    StepPlan,
+    StepResult,
+)
 from controller.protections import (
     CostModel,
     ProtectionConfig,
@@ -291,15 +298,19 @@ class ControllerCore:
         self._next_tie = (worker + 1) % self.num_workers
         return worker
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """Finish a request as aborted; its blocks are released now (their `cache_evict`
-        reaches flow control before the worker's next plan)."""
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT
+              ) -> RequestOutput | None:
+        """Finish a request as aborted (or, `reason` STOP, as stopped by a stop string the
+        edge matched); its blocks are released now (their `cache_evict` reaches flow
+        control before the worker's next plan)."""
         worker = self.request_to_worker.pop(request_id, None)
         if worker is None:
             return None
         state = self.workers[worker]
         state.protections.forget(request_id)  # its prefill timing would linger
-        out = state.scheduler.abort_request(request_id)
+        status = RequestStatus.FINISHED_STOPPED if reason == FinishReason.STOP \
+            else RequestStatus.FINISHED_ABORTED
+        out = state.scheduler.abort_request(request_id, status)
         self._queue_evicts(state)
         return out
 
