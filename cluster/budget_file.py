@@ -142,6 +142,8 @@ class Recommendation(_Part):
     max_num_batched_tokens: PosInt
     chunk_size: PosInt
     limited_by: str
+    # configured: itl_slo_ms was set; derived: from the fits (BudgetTable.derived_slo_ms)
+    slo_source: Literal["configured", "derived"] = "configured"
 
 
 class Noise(_Part):

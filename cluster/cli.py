@@ -100,7 +100,7 @@ def make_spec(args: argparse.Namespace, cfg: TokenflowConfig) -> Any:
         threads=args.threads or max(int(cfg.cluster.worker_num_cpus), 1))
 
 
-def measure(spec: Any, cfg: TokenflowConfig, itl_slo_ms: float, progress: bool,
+def measure(spec: Any, cfg: TokenflowConfig, itl_slo_ms: float | None, progress: bool,
             sized: bool = False) -> BudgetTable:
     """`spec` measured and fitted; `sized`: cut to calibration.max_duration_s first."""
     from workers.calibrate import Calibrator, GridSizing
@@ -185,11 +185,13 @@ def run_calibrate(args: argparse.Namespace, cfg: TokenflowConfig) -> int:
     validate_budget(table.data)  # what a later load accepts
     table.save(args.out)
     rec, fit = table.data["recommendation"], table.data["fit"]["prefill"]
+    slo = rec["itl_slo_ms"]  # the derived one when none was configured
     print(f"wrote {args.out}: fit a={fit['a']:.3g}s b={fit['b']:.3g}s/token "
           f"c={fit['c']:.3g}s/pair, median error {fit['median_rel_error'] * 100:.1f} %")
     for row in table.data["table"]:
         print(f"  tokens {row['tokens_min']:>6}-{row['tokens_max']:<6} {row['binding']}")
-    print(f"ITL SLO {slo:g} ms -> max_num_batched_tokens {rec['max_num_batched_tokens']}, "
+    print(f"ITL SLO {slo:g} ms ({rec.get('slo_source', 'configured')}) -> "
+          f"max_num_batched_tokens {rec['max_num_batched_tokens']}, "
           f"chunk {rec['chunk_size']} (limited by {rec['limited_by']})")
     if not args.no_plot:
         from cluster.budget_plot import plot_table

@@ -90,8 +90,12 @@ class CalibrationConfig(BaseModel):
     cache_dir: Path | None = Field(None, description=(
         "Folder of the cached budget tables, on the worker's machine; None: "
         "$TOKENFLOW_CACHE_DIR/budgets (~/.cache/tokenflow/budgets) of the worker's process."))
-    itl_slo_ms: float = Field(100.0, gt=0, description=(
-        "Inter-token-latency SLO (ms) the budget is planned for: no step predicted longer."))
+    itl_slo_ms: float | None = Field(None, gt=0, description=(
+        "Inter-token-latency SLO (ms) the budget is planned for: no step predicted longer. "
+        "None: derived from the measured step costs: the step in which a chunk riding with "
+        "the planned decodes prefills at chunk_efficiency of the best prefill rate, and at "
+        "least twice the planned pure-decode step (controller/budget.py derived_slo_ms), so "
+        "prefill keeps near full speed while no decode gap exceeds a few decode steps."))
     weight_bits: int | None = Field(None, ge=1, le=32, description=(
         "Bits per weight in the bandwidth constraint (INT4/INT8 scale the weight term by "
         "bits/16); None: the dtype's bits."))
@@ -399,7 +403,7 @@ class TokenflowConfig(BaseSettings):
         """(the step cost model, the ITL SLO in seconds) the scheduler sizes chunks with."""
         if table is None:
             return None, None
-        return table.step_cost(), self.calibration.itl_slo_ms / 1e3
+        return table.step_cost(), table.slo_ms(self.calibration.itl_slo_ms) / 1e3
 
     def controller_options(self) -> ControllerOptions:
         """What the controller actor takes (it does not import this module). Measures

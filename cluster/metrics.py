@@ -125,7 +125,8 @@ def metric_families(snap: MetricsSnapshot, config: MetricsConfig,
               "full.").add_metric([], req.rejection_to_count.get(QUEUE_FULL, 0))
     f.gauge("ttft_slo_seconds", "The configured TTFT SLO (metrics.ttft_slo_s).").add_metric(
         [], config.ttft_slo_s)
-    f.gauge("itl_slo_seconds", "The configured ITL SLO (calibration.itl_slo_ms).").add_metric(
+    f.gauge("itl_slo_seconds", "The ITL SLO steps are planned for (calibration.itl_slo_ms, "
+            "or the one derived from the budget table).").add_metric(
         [], itl_slo_s)
     _worker_families(f, snap.workers)
     _tenant_families(f, snap.workers, config.max_tenant_labels)

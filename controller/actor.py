@@ -502,7 +502,8 @@ class ControllerActor:
         """What `/metrics` renders; answers at once, with no workers while they start."""
         core = self.core
         workers = [core.worker_stats(w) for w in range(core.num_workers)] if core else []
-        return MetricsSnapshot(workers, self.request_metrics.snapshot())
+        return MetricsSnapshot(workers, self.request_metrics.snapshot(),
+                               core.scheduler(0).itl_slo_s if core else None)
 
     async def record_rejection(self, kind: str) -> None:
         """The edge refused a request before any other controller call (422): counted

@@ -21,7 +21,15 @@ running requests decode; not the chunk's depth) in the step keeps
 - bytes / (measured bandwidth * (1 - headroom)) under the SLO (bandwidth; the weight
   term scaled by weight_bits / measured bits, i.e. by bits/16 against a 16-bit checkpoint),
 - the chunk and its context fit in the KV blocks that could be allocated (kv_capacity),
-and never beyond the largest measured chunk (no extrapolation). Torch-free.
+and never beyond the largest measured chunk (no extrapolation).
+
+Without a configured ITL SLO, the SLO is derived from the same fits (`derived_slo_ms`): the
+step time at which a chunk carried alongside the planned decodes already prefills at
+`chunk_efficiency` of the best measured prefill rate, and never under twice the planned
+pure-decode step. A smaller SLO buys smoother gaps with a slower prefill (long prompts wait
+longer, the machine does less work per second); this one keeps prefill near full efficiency
+while a decode gap stays a bounded multiple of a decode step. Points are fitted on their
+median time: a stolen-time burst in one sample would move the mean. Torch-free.
 """
 
 from __future__ import annotations
@@ -122,6 +130,11 @@ def fit_nonneg(rows: Sequence[Sequence[float]], times: Sequence[float]) -> list[
     return [float(v) for v in best]
 
 
+def _typical_s(point: dict[str, Any]) -> float:
+    """A measured point's time: its median (tables written before medians: the mean)."""
+    return float(point.get("median_s", point["mean_s"]))
+
+
 def relative_errors(predicted: Sequence[float], measured: Sequence[float]) -> list[float]:
     return [abs(p - m) / m for p, m in zip(predicted, measured, strict=True)]
 
@@ -148,6 +161,8 @@ class QuickRun:
 
 
 QUICK_RUN = QuickRun()
+# The derived ITL SLO is never under this many pure-decode steps (room for a chunk at all).
+MIN_SLO_DECODE_MULTIPLE = 2.0
 
 
 @dataclass(frozen=True)
@@ -176,7 +191,7 @@ class BudgetFit:
     planning limits (`calibration:` fields of the same names). Not part of what is
     measured, so a cached measurement is re-fitted when they change, never re-measured."""
 
-    itl_slo_ms: float
+    itl_slo_ms: float | None  # None: derived from the measured fits (`derived_slo_ms`)
     bandwidth_headroom: float
     chunk_efficiency: float
     plan_context_tokens: int | None = None
@@ -227,9 +242,40 @@ class BudgetTable:
     def step_cost(self) -> LinearStepCost:
         return LinearStepCost(self.prefill_model, self.decode_model, self.tile)
 
+    def slo_ms(self, configured_ms: float | None) -> float:
+        """The ITL SLO a scheduler on this table plans for: the configured one, or the
+        table's derived one."""
+        return self.derived_slo_ms() if configured_ms is None else configured_ms
+
+    def derived_slo_ms(self, decodes: int | None = None, efficiency: float | None = None,
+                       min_decode_multiple: float = MIN_SLO_DECODE_MULTIPLE) -> float:
+        """The ITL SLO when none is configured: the smallest predicted step of one depth-0
+        chunk (on the grid, up to the largest measured) and `decodes` decodes (default:
+        the planned ones at their planned depth) in which the chunk's tokens per second of
+        step reach `efficiency` (default: chunk_efficiency) of the best prefill-only rate;
+        the largest measured chunk's step when none does; at least `min_decode_multiple`
+        times the pure-decode step."""
+        decodes = self.limits["plan_decodes"] if decodes is None else decodes
+        goal = self.limits["chunk_efficiency"] if efficiency is None else efficiency
+        cost, dctx = self.step_cost(), self.decode_context
+        unit = math.lcm(self.block_size, self.tile)
+        sizes = range(unit, max(self.max_tokens // unit, 1) * unit + 1, unit)
+        best = max(t / self.predict(t, 0) for t in sizes)
+        # The budget counts the decodes too: the SLO leaves them a grid unit's room more
+        # than the efficient chunk, so that the budget it yields still holds that chunk.
+        room = pad(decodes, unit)
+        step_s = cost.step_s([(sizes[-1], 0)], decodes, dctx)
+        for tokens in sizes:
+            if tokens / cost.step_s([(tokens, 0)], decodes, dctx) >= goal * best:
+                step_s = cost.step_s([(tokens + room, 0)], decodes, dctx)
+                break
+        decode_s = cost.step_s([], decodes, dctx)
+        return 1e3 * max(step_s, min_decode_multiple * decode_s)
+
     # -- building, files -----------------------------------------------------------------
     @classmethod
-    def build(cls, measured: dict[str, Any], *, itl_slo_ms: float, bandwidth_headroom: float,
+    def build(cls, measured: dict[str, Any], *, itl_slo_ms: float | None,
+              bandwidth_headroom: float,
               chunk_efficiency: float, plan_context_tokens: int | None,
               plan_decodes: int | None = None,
               plan_decode_context_tokens: int | None = None) -> BudgetTable:
@@ -250,8 +296,8 @@ class BudgetTable:
         decode_ctx = max(d["context"] for d in dec) if plan_decode_context_tokens is None \
             else plan_decode_context_tokens
         data = {**measured,
-                "fit": {"prefill": _fit_summary(pre_rows, [p["mean_s"] for p in pre]),
-                        "decode": _fit_summary(dec_rows, [d["mean_s"] for d in dec]),
+                "fit": {"prefill": _fit_summary(pre_rows, [_typical_s(p) for p in pre]),
+                        "decode": _fit_summary(dec_rows, [_typical_s(d) for d in dec]),
                         "bytes": {"weights": max(float(weights), 0.0),
                                   "per_token": max(float(per_token), 0.0),
                                   "per_context_token": max(float(per_ctx), 0.0)}},
@@ -261,7 +307,8 @@ class BudgetTable:
                            "plan_decode_context_tokens": decode_ctx}}
         table = cls(data)
         data["table"] = table.binding_table()
-        data["recommendation"] = table.recommend_detail(itl_slo_ms)
+        data["recommendation"] = {**table.recommend_detail(table.slo_ms(itl_slo_ms)),
+                                  "slo_source": "derived" if itl_slo_ms is None else "configured"}
         return cls(data)
 
     @classmethod
@@ -286,7 +333,8 @@ class BudgetTable:
                                      "prefill": _fit_summary(rows, [s for *_, s in observations])}}
         table = BudgetTable(data)
         data["table"] = table.binding_table()
-        data["recommendation"] = table.recommend_detail(self.data["recommendation"]["itl_slo_ms"])
+        data["recommendation"] = {**self.data["recommendation"], **table.recommend_detail(
+            self.data["recommendation"]["itl_slo_ms"])}
         return BudgetTable(data)
 
     def save(self, path: str | Path) -> None:

@@ -195,7 +195,7 @@ class ControllerOptions:
         step_cost = table.step_cost()
         return replace(self, scheduler=budgeted_scheduler(self.scheduler, table, fit, self.cache),
                        cost_model=step_cost.chunk_s, step_cost=step_cost,
-                       itl_slo_s=fit.itl_slo_ms / 1e3, auto_budget=None)
+                       itl_slo_s=table.slo_ms(fit.itl_slo_ms) / 1e3, auto_budget=None)
 
 
 def budgeted_scheduler(scheduler: SchedulerConfig, table: BudgetTable, fit: BudgetFit,
@@ -204,7 +204,7 @@ def budgeted_scheduler(scheduler: SchedulerConfig, table: BudgetTable, fit: Budg
     depth 0 unless `fit` names one (the cost model shrinks deeper chunks step by step)."""
     context = 0 if fit.plan_context_tokens is None else fit.plan_context_tokens
     budget, _ = table.recommend(
-        fit.itl_slo_ms, block_size=cache.block_size,
+        table.slo_ms(fit.itl_slo_ms), block_size=cache.block_size,
         kv_capacity_tokens=cache.num_kv_blocks * cache.block_size, context=context,
         decodes=fit.plan_decodes)
     return replace(scheduler, max_num_batched_tokens=budget)
