@@ -11,7 +11,8 @@ Nobody queues behind a long prompt: a prompt longer than
 `long_prefill_token_threshold` is long; at most `max_long_partial_prefills` long prompts
 are chunked at once (a long waiting prompt over that cap is passed over, not blocking the
 queue), and while short prompts wait, long chunks leave them `short_prefill_share` of the
-step's prefill budget, so a prompt that fits in one chunk is admitted in the next step.
+step's prefill budget, so a prompt that fits in one chunk is admitted in the next step;
+with one chunk a step (throttled or degraded), short prompts and long chunks take turns.
 With a step cost model and an ITL SLO, each chunk is the largest (on the block/tile grid)
 whose step, the decodes riding along included, is predicted under the SLO at the request's
 current depth: deeper chunks get smaller, shallow ones use the whole SLO.
@@ -180,6 +181,7 @@ class Scheduler:
         self.last_shape = StepShape(-1)  # of the latest plan
         self._shapes: dict[int, StepShape] = {}  # step id -> shape, until its result is in
         self._may_preempt = True  # this step's StepLimits.may_preempt
+        self._long_chunk_last = False  # the latest chunk scheduled was a long prompt's
 
     # -- requests ----------------------------------------------------------------
     @property
@@ -336,6 +338,12 @@ class Scheduler:
         partial = [r for r in self.running if r.is_prefilling]
         waiting = sorted(self.waiting.values(), key=lambda r: r.sort_key) if may_admit() else []
         candidates = partial + waiting
+        if max_chunks == 1 and self._long_chunk_last:
+            # One chunk a step (flow control or the degraded path): after a long chunk, the
+            # next goes to a short prompt if one waits (stable sort: order kept within each
+            # class), so shorts and long chunks alternate: a short prompt's first chunk
+            # comes within two steps, and a stream of them never starves the long one.
+            candidates.sort(key=self.is_long)
         weights = self.config.tenant_weights
         shares = split_budget(budget, (r.tenant for r in candidates), weights)
         waiting_tenants = {r.tenant for r in waiting}
@@ -392,6 +400,7 @@ class Scheduler:
                         continue
                     num_long += is_long
                 scheduled[request.request_id] = num_new
+                self._long_chunk_last = is_long
                 self.last_shape.chunks[request.request_id] = (num_new,
                                                               request.num_computed_tokens)
                 budget -= num_new

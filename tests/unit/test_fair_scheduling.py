@@ -214,3 +214,24 @@ def test_noisy_steps_are_planned_with_headroom_so_the_slow_ones_stay_under_the_s
     assert len(over_slo(bare)) >= 6 and max(over_slo(bare)) > 1.1
     assert not over_slo(kept)
     assert max(kept.step_times[10:]) > 0.9 * SLO_S  # the room kept is the noise, no more
+
+
+def test_one_chunk_a_step_lets_a_short_prompt_take_turns_with_the_long_one():
+    """Flow control or the degraded path leaves one chunk a step: a short prompt behind a
+    long prompt's prefill still gets its first token within two steps (they alternate),
+    and under a stream of short prompts the long one still gets every other chunk."""
+    s = Scene(budget=256, max_concurrent_chunks=1)
+    s.users_decoding()
+    s.add("long", 8000, max_tokens=2)  # still prefilling after the 41 steps below
+    s.step()
+    arrivals: dict[str, int] = {}
+    for k in range(20):  # one short prompt every other step: as many as the turns serve
+        rid = f"short-{k}"
+        arrivals[rid] = len(s.plans)
+        s.add(rid, 32, max_tokens=2)
+        s.step()
+        s.step()
+    for rid, step in arrivals.items():
+        assert s.first_token_step[rid] - step <= 2, rid
+    long_steps = sum("long" in p.num_scheduled_tokens for p in s.plans[-40:])
+    assert long_steps >= 19  # every other step at least
