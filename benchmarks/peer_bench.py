@@ -1,0 +1,307 @@
+"""tokenflow against vLLM's CPU build on the same machine and the same checkpoint.
+
+    make bench-peer   # builds vLLM's CPU build in .venv-peer first
+    python -m benchmarks.peer_bench --vllm-python .venv-peer/bin/python [--rounds 3]
+        [--skip-offline] [--skip-served] [--out benchmarks/results/peer.json]
+
+Both engines load the same Hugging Face folders, written by the project's own preset code
+(workers/presets.py: builtin:bench, ~57M parameters, and builtin:small, ~7M; fp32), each
+with its defaults (tokenflow calibrates itself; vLLM compiled, and eager for reference).
+- offline: each engine in its own long-lived process (benchmarks/peer_offline.py), the same
+  32 prompts x 128 ids, 64 greedy tokens each; rounds alternate between the engines (the
+  order flips every round) so that both see the same load on a shared machine; medians and
+  spread of output tokens/s, start-up to ready, and the greedy outputs' agreement;
+- served: `python -m cluster.serve` (what `make serve` runs) and `vllm serve`, each started
+  once and both kept up; the scene of benchmarks/peer_scene.py runs against one at a time,
+  alternating; time to healthy, resident memory of each server's process tree after its
+  rounds, and the CPU seconds the idle server used during the other's rounds;
+- profile: where tokenflow's offline step time goes (benchmarks/peer_profile.py).
+Ratios are tokenflow / vLLM (or vLLM / tokenflow for times), median against median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks import peer_scene as scene
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = str(ROOT / ".venv" / "bin" / "python")
+OFFLINE = str(ROOT / "benchmarks" / "peer_offline.py")
+# What vLLM's CPU build needs here (its own venv; see the Makefile's bench-peer).
+VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2",
+            "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_HOST_IP": "127.0.0.1",
+            "VLLM_NO_USAGE_STATS": "1"}
+MODELS = ("builtin:bench", "builtin:small")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def checkpoint(model: str) -> str:
+    from workers.presets import resolve_model
+
+    return str(resolve_model(model))
+
+
+class OfflineEngine:
+    """A peer_offline.py process: started, then driven round by round over stdin."""
+
+    def __init__(self, name: str, python: str, engine: str, folder: str, env: dict[str, str],
+                 log: Path) -> None:
+        self.name = name
+        self.log = open(log, "wb")  # noqa: SIM115 - closed in close()
+        self.proc = subprocess.Popen(
+            [python, OFFLINE, "--engine", engine, "--model", folder], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=self.log, env={**os.environ, **env,
+                                                          "PYTHONPATH": str(ROOT)},
+            cwd=str(ROOT), start_new_session=True)
+        self.ready = self._read("ready")
+
+    def _read(self, event: str) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            try:
+                msg = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a library printed to stdout
+            if msg.get("event") == event:
+                return msg
+        raise RuntimeError(f"{self.name} exited ({self.proc.wait()}); see {self.log.name}")
+
+    def command(self, command: str, event: str) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"{command}\n".encode())
+        self.proc.stdin.flush()
+        return self._read(event)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(BrokenPipeError):
+                assert self.proc.stdin is not None
+                self.proc.stdin.write(b"quit\n")
+                self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def _stats(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"median": None, "min": None, "max": None}
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def _agreement(a: list[int], b: list[int]) -> int:
+    """Leading greedy tokens two engines agree on."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def run_offline(model: str, rounds: int, vllm_python: str, log_dir: Path,
+                profile: bool, eager: bool = True) -> dict[str, Any]:
+    folder = checkpoint(model)
+    tag = model.split(":")[-1]
+    specs = [("tokenflow", PY, "tokenflow", {}),
+             ("vllm_compiled", vllm_python, "vllm", VLLM_ENV),
+             ("vllm_eager", vllm_python, "vllm-eager", VLLM_ENV)][: 3 if eager else 2]
+    engines: dict[str, OfflineEngine] = {}
+    out: dict[str, Any] = {"model": model, "checkpoint": folder, "engines": {}}
+    try:
+        for name, python, engine, env in specs:  # one at a time: start-up is measured
+            print(f"[offline {tag}] starting {name}", flush=True)
+            engines[name] = OfflineEngine(name, python, engine, folder, env,
+                                          log_dir / f"offline-{tag}-{name}.log")
+        per: dict[str, list[dict[str, Any]]] = {name: [] for name in engines}
+        order = list(engines)
+        for r in range(rounds):
+            for name in (order if r % 2 == 0 else order[::-1]):
+                result = engines[name].command("run", "round")
+                per[name].append(result)
+                print(f"[offline {tag}] round {r} {name}: {result['tok_s']:.1f} tok/s",
+                      flush=True)
+        ref = per["vllm_compiled"][0]["first_output"]
+        for name, results in per.items():
+            out["engines"][name] = {
+                "startup_s": engines[name].ready["startup_s"],
+                "max_num_batched_tokens": engines[name].ready.get("max_num_batched_tokens"),
+                "itl_slo_s": engines[name].ready.get("itl_slo_s"),
+                "tok_s": _stats([x["tok_s"] for x in results]),
+                "tok_s_rounds": [x["tok_s"] for x in results],
+                "greedy_tokens_agreeing_with_vllm": _agreement(results[0]["first_output"], ref),
+            }
+        tf = out["engines"]["tokenflow"]["tok_s"]["median"]
+        out["ratio_vs_vllm_compiled"] = tf / out["engines"]["vllm_compiled"]["tok_s"]["median"]
+        if "vllm_eager" in out["engines"]:
+            out["ratio_vs_vllm_eager"] = tf / out["engines"]["vllm_eager"]["tok_s"]["median"]
+        out["startup_ratio_vs_vllm_compiled"] = (
+            out["engines"]["tokenflow"]["startup_s"]
+            / out["engines"]["vllm_compiled"]["startup_s"])
+        if profile:
+            print(f"[offline {tag}] profiling tokenflow", flush=True)
+            out["tokenflow_profile"] = engines["tokenflow"].command("profile", "profile")
+    finally:
+        for engine in engines.values():
+            engine.close()
+    return out
+
+
+def run_served(model: str, rounds: int, vllm_python: str, log_dir: Path) -> dict[str, Any]:
+    folder = checkpoint(model)
+    vocab = json.loads((Path(folder) / "config.json").read_text())["vocab_size"]
+    vllm_bin = str(Path(vllm_python).parent / "vllm")
+    tf_port, vllm_port = free_port(), free_port()
+    servers: dict[str, scene.Server] = {}
+    out: dict[str, Any] = {"model": model, "checkpoint": folder, "scene": {
+        "num_users": scene.NUM_USERS, "user_prompt_len": scene.USER_PROMPT_LEN,
+        "user_tokens": scene.USER_TOKENS, "long_at_s": scene.LONG_AT_S,
+        "long_prompt_len": scene.LONG_PROMPT_LEN, "short_after_s": scene.SHORT_AFTER_S,
+        "short_prompt_len": scene.SHORT_PROMPT_LEN}, "servers": {}}
+    try:
+        # One at a time while starting: each start-up has the machine to itself.
+        servers["tokenflow"] = scene.start_server(
+            "tokenflow", [PY, "-m", "cluster.serve", "--model", folder, "--port",
+                          str(tf_port)], tf_port, {"PYTHONPATH": str(ROOT)},
+            log_dir / "serve-tokenflow.log")
+        servers["tokenflow"].wait_ready(600)
+        servers["vllm"] = scene.start_server(
+            "vllm", [vllm_bin, "serve", folder, "--host", "127.0.0.1", "--port",
+                     str(vllm_port), "--dtype", "float32"], vllm_port, VLLM_ENV,
+            log_dir / "serve-vllm.log")
+        servers["vllm"].wait_ready(900)
+        per: dict[str, list[dict[str, Any]]] = {name: [] for name in servers}
+        idle_cpu: dict[str, float] = {name: 0.0 for name in servers}
+        order = list(servers)
+        for r in range(rounds):
+            for name in (order if r % 2 == 0 else order[::-1]):
+                other = servers[next(n for n in servers if n != name)]
+                before = other.cpu_s()
+                server = servers[name]
+                result = asyncio.run(scene.run_scene(server.url, server.model or folder, vocab,
+                                                     seed=r))
+                idle_cpu[other.name] += other.cpu_s() - before
+                if name == "tokenflow":  # why a step was limited, if it was
+                    result["flow_metrics"] = scene.flow_metrics(server.url)
+                per[name].append(result)
+                print(f"[served] round {r} {name}: {json.dumps(result)}", flush=True)
+        for name, server in servers.items():
+            rss, nproc = server.rss_bytes()
+            results = per[name]
+            out["servers"][name] = {
+                "ready_s": server.ready_s, "rss_bytes": rss, "num_processes": nproc,
+                "idle_cpu_s_during_other_rounds": idle_cpu[name],
+                "rounds": results,
+                **{key: scene.summarize(results, key) for key in (
+                    "window_gap_p99_s", "window_gap_p50_s", "long_ttft_s", "short_ttft_s",
+                    "users_tok_s", "gap_p50_s", "gap_p99_s")}}
+    finally:
+        for server in servers.values():
+            server.stop()
+    tf, vl = out["servers"].get("tokenflow"), out["servers"].get("vllm")
+    if tf and vl:
+        def ratio(key: str) -> float | None:
+            a, b = tf[key]["median"], vl[key]["median"]
+            return a / b if a is not None and b else None
+
+        # A tokenflow step while the long prompt prefills: the users' median gap then.
+        step_s = tf["window_gap_p50_s"]["median"]
+        out["ratios"] = {
+            "window_gap_p99_vs_vllm": ratio("window_gap_p99_s"),
+            "long_ttft_vs_vllm": ratio("long_ttft_s"),
+            "short_ttft_vs_vllm": ratio("short_ttft_s"),
+            "users_tok_s_vs_vllm": ratio("users_tok_s"),
+            "short_ttft_in_tokenflow_steps": (tf["short_ttft_s"]["median"] / step_s
+                                              if step_s and tf["short_ttft_s"]["median"]
+                                              else None),
+            "ready_vs_vllm": tf["ready_s"] / vl["ready_s"] if vl["ready_s"] else None,
+        }
+    return out
+
+
+def targets(report: dict[str, Any]) -> dict[str, Any]:
+    """The issue's Must-show lines, each with its number and whether it is met."""
+    t: dict[str, Any] = {}
+    for off in report.get("offline", []):
+        tag = off["model"].split(":")[-1]
+        t[f"offline_{tag}_vs_vllm_compiled>=1.3"] = {
+            "value": off["ratio_vs_vllm_compiled"], "met": off["ratio_vs_vllm_compiled"] >= 1.3}
+        t[f"offline_{tag}_startup<=0.25x"] = {
+            "value": off["startup_ratio_vs_vllm_compiled"],
+            "met": off["startup_ratio_vs_vllm_compiled"] <= 0.25}
+    ratios = report.get("served", {}).get("ratios")
+    if ratios:
+        for key, bound, is_max in (("window_gap_p99_vs_vllm", 0.3, True),
+                                   ("long_ttft_vs_vllm", 1.2, True),
+                                   ("short_ttft_vs_vllm", 0.3, True),
+                                   ("short_ttft_in_tokenflow_steps", 2.0, True),
+                                   ("users_tok_s_vs_vllm", 1.0, False),
+                                   ("ready_vs_vllm", 0.25, True)):
+            value = ratios[key]
+            met = value is not None and (value <= bound if is_max else value >= bound)
+            t[f"served_{key}{'<=' if is_max else '>='}{bound}"] = {"value": value, "met": met}
+    return t
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--vllm-python", default=str(ROOT / ".venv-peer" / "bin" / "python"))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--skip-offline", action="store_true")
+    parser.add_argument("--skip-served", action="store_true")
+    parser.add_argument("--models", nargs="+", default=list(MODELS))
+    parser.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run vLLM eager (enforce_eager) offline")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/peer.json")
+    parser.add_argument("--update", action="store_true", help=(
+        "keep the sections of an existing --out that this run skips (run the parts apart)"))
+    args = parser.parse_args()
+    log_dir = ROOT / "benchmarks" / "results" / "peer-logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = json.loads(args.out.read_text()) \
+        if args.update and args.out.exists() else {}
+    machine = {"platform": platform.platform(), "cpus": os.cpu_count(),
+               "load_avg_at_start": os.getloadavg()}
+
+    def save(section: str) -> None:
+        report.setdefault("machine", {})[section] = {**machine,
+                                                     "load_avg_at_end": os.getloadavg()}
+        report["rounds"], report["finished_unix"] = args.rounds, time.time()
+        report["targets"] = targets(report)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+
+    if not args.skip_served:
+        report["served"] = run_served("builtin:bench", args.rounds, args.vllm_python, log_dir)
+        save("served")
+    if not args.skip_offline:
+        report["offline"] = [run_offline(m, args.rounds, args.vllm_python, log_dir,
+                                         profile=m == "builtin:bench", eager=args.eager)
+                             for m in args.models]
+        save("offline")
+    print(json.dumps(report["targets"], indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""One offline engine for the peer benchmark (benchmarks/peer_bench.py), kept in its own
+process so both engines run one at a time on the same cores and each keeps its start-up.
+
+    python benchmarks/peer_offline.py --engine tokenflow|vllm|vllm-eager --model FOLDER
+
+Run with the project's venv for tokenflow and vLLM's own venv for vllm (this file imports
+neither the project nor vLLM at the top, so either interpreter can run it). Prints JSON
+lines: `{"event": "ready", "startup_s": ...}` once loaded, then one `{"event": "round",
+...}` per `run` line read on stdin (32 prompts x 128 random ids, 64 greedy tokens each, EOS
+ignored: the same ids for every engine); `profile` (tokenflow) prints the step breakdown;
+`quit` ends it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from typing import Any
+
+NUM_PROMPTS, PROMPT_LEN, OUTPUT_LEN = 32, 128, 64
+FIRST_ID = 300  # past the specials and the byte tokens of the built-in tokenizer
+
+
+def prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(FIRST_ID, vocab_size) for _ in range(PROMPT_LEN)]
+            for _ in range(NUM_PROMPTS)]
+
+
+def emit(**fields: Any) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+class TokenflowRunner:
+    def __init__(self, model: str) -> None:
+        from cluster.engine import LocalEngine
+        from controller.messages import SamplingParams
+
+        self.engine = LocalEngine(worker={"model": model})
+        self.params = SamplingParams(max_tokens=OUTPUT_LEN, temperature=0.0, ignore_eos=True)
+        self.vocab_size = self.engine.worker.vocab_size
+        sched = self.engine.scheduler
+        self.budget = {"max_num_batched_tokens": sched.config.max_num_batched_tokens,
+                       "itl_slo_s": sched.itl_slo_s}
+
+    def run(self, batch: list[list[int]]) -> list[list[int]]:
+        return [c.output_token_ids for c in self.engine.generate(batch, self.params)]
+
+    def profile(self, batch: list[list[int]]) -> dict[str, Any]:
+        from benchmarks.peer_profile import offline_breakdown
+
+        return offline_breakdown(self.engine, batch, self.params)
+
+
+class VllmRunner:
+    def __init__(self, model: str, eager: bool) -> None:
+        from vllm import LLM, SamplingParams
+
+        self.llm = LLM(model=model, dtype="float32", enforce_eager=eager, seed=0)
+        self.params = SamplingParams(max_tokens=OUTPUT_LEN, temperature=0.0, ignore_eos=True)
+        self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
+        self.budget = {"max_num_batched_tokens":
+                       self.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens}
+
+    def run(self, batch: list[list[int]]) -> list[list[int]]:
+        from vllm.inputs import TokensPrompt
+
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch],
+                                 self.params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--engine", choices=("tokenflow", "vllm", "vllm-eager"), required=True)
+    parser.add_argument("--model", required=True)
+    args = parser.parse_args()
+    start = time.perf_counter()
+    runner: Any = TokenflowRunner(args.model) if args.engine == "tokenflow" else \
+        VllmRunner(args.model, eager=args.engine == "vllm-eager")
+    batch = prompts(runner.vocab_size)
+    emit(event="ready", startup_s=time.perf_counter() - start, **runner.budget)
+    for line in sys.stdin:
+        command = line.strip()
+        if command == "run":
+            t0 = time.perf_counter()
+            outputs = runner.run(batch)
+            wall = time.perf_counter() - t0
+            num = sum(len(o) for o in outputs)
+            emit(event="round", wall_s=wall, output_tokens=num, tok_s=num / wall,
+                 first_output=outputs[0])
+        elif command == "profile":
+            emit(event="profile", **runner.profile(batch))
+        elif command == "quit":
+            break
+
+
+if __name__ == "__main__":
+    main()

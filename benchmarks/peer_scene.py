@@ -1,0 +1,232 @@
+"""The served scene of the peer benchmark, against any OpenAI-compatible server, and the
+servers themselves (tokenflow's `make serve` command, `vllm serve`), started in their own
+session so that stopping one ends exactly its process tree.
+
+Scene: `NUM_USERS` users stream `USER_TOKENS` greedy tokens each from `USER_PROMPT_LEN`-id
+prompts; `LONG_AT_S` after they start, a `LONG_PROMPT_LEN`-id prompt arrives, and
+`SHORT_AFTER_S` later a `SHORT_PROMPT_LEN`-id one (both stream `PROBE_TOKENS` tokens). A
+user's inter-token gap is the time between two of its stream events (one event per token
+on both servers while a request decodes). The gaps "during the long prefill" are those
+that end between the long prompt's arrival and its first token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+NUM_USERS, USER_PROMPT_LEN, USER_TOKENS = 8, 64, 256
+LONG_AT_S, LONG_PROMPT_LEN = 2.0, 6000
+SHORT_AFTER_S, SHORT_PROMPT_LEN = 0.5, 32
+PROBE_TOKENS = 8
+FIRST_ID = 300
+
+
+@dataclass
+class Stream:
+    start: float
+    events: list[float] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return self.events[0] - self.start if self.events else None
+
+
+async def _stream(client: Any, url: str, model: str, prompt: list[int], max_tokens: int,
+                  t0: float) -> Stream:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "stream": True}
+    out = Stream(time.perf_counter() - t0)
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                out.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                return out
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[5:])
+                if chunk.get("choices") and chunk["choices"][0].get("text") is not None:
+                    out.events.append(time.perf_counter() - t0)
+    except Exception as err:  # recorded, the round is then reported as failed
+        out.error = repr(err)
+    return out
+
+
+def _q(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+async def run_scene(url: str, model: str, vocab_size: int, seed: int = 0) -> dict[str, Any]:
+    import httpx
+
+    rng = random.Random(seed)
+
+    def ids(n: int) -> list[int]:
+        return [rng.randrange(FIRST_ID, vocab_size) for _ in range(n)]
+
+    users_prompts = [ids(USER_PROMPT_LEN) for _ in range(NUM_USERS)]
+    long_prompt, short_prompt = ids(LONG_PROMPT_LEN), ids(SHORT_PROMPT_LEN)
+    limits = httpx.Limits(max_connections=32)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        t0 = time.perf_counter()
+        users = [asyncio.create_task(_stream(client, url, model, p, USER_TOKENS, t0))
+                 for p in users_prompts]
+        await asyncio.sleep(LONG_AT_S)
+        long_task = asyncio.create_task(_stream(client, url, model, long_prompt,
+                                                PROBE_TOKENS, t0))
+        await asyncio.sleep(SHORT_AFTER_S)
+        short_task = asyncio.create_task(_stream(client, url, model, short_prompt,
+                                                 PROBE_TOKENS, t0))
+        user_streams = await asyncio.gather(*users)
+        long_s, short_s = await long_task, await short_task
+    errors = [s.error for s in [*user_streams, long_s, short_s] if s.error]
+    long_first = long_s.events[0] if long_s.events else None
+    window_gaps, all_gaps = [], []
+    for s in user_streams:
+        for a, b in zip(s.events, s.events[1:], strict=False):
+            all_gaps.append(b - a)
+            if long_first is not None and long_s.start <= b <= long_first:
+                window_gaps.append(b - a)
+    user_tokens = sum(len(s.events) for s in user_streams)
+    users_end = max((s.events[-1] for s in user_streams if s.events), default=None)
+    return {
+        "errors": errors,
+        "long_ttft_s": long_s.ttft_s, "short_ttft_s": short_s.ttft_s,
+        "window_gap_p99_s": _q(window_gaps, 0.99), "window_gap_p50_s": _q(window_gaps, 0.5),
+        "num_window_gaps": len(window_gaps),
+        "gap_p50_s": _q(all_gaps, 0.5), "gap_p99_s": _q(all_gaps, 0.99),
+        "users_tok_s": user_tokens / users_end if users_end else None,
+        "user_tokens": user_tokens,
+    }
+
+
+# -- servers -------------------------------------------------------------------------------
+def _get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as err:
+        return err.code, b""
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        return 0, b""
+
+
+@dataclass
+class Server:
+    name: str
+    proc: subprocess.Popen[bytes]
+    url: str
+    started: float
+    log: Path
+    ready_s: float | None = None
+    model: str | None = None
+
+    def wait_ready(self, timeout_s: float) -> float:
+        """Seconds from spawn until /health answers 200 and /v1/models names a model."""
+        deadline = self.started + timeout_s
+        while time.perf_counter() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited {self.proc.returncode}; see {self.log}")
+            status, _ = _get(f"{self.url}/health")
+            if status == 200:
+                status, body = _get(f"{self.url}/v1/models")
+                if status == 200:
+                    self.model = json.loads(body)["data"][0]["id"]
+                    self.ready_s = time.perf_counter() - self.started
+                    return self.ready_s
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.name} not ready after {timeout_s} s; see {self.log}")
+
+    def rss_bytes(self) -> tuple[int, int]:
+        """Resident memory of the server's process tree, and its process count."""
+        import psutil
+
+        try:
+            root = psutil.Process(self.proc.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return 0, 0
+        total = 0
+        for p in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                total += p.memory_info().rss
+        return total, len(procs)
+
+    def cpu_s(self) -> float:
+        """CPU seconds the server's process tree has used so far (idle cost while the other
+        engine's round runs)."""
+        import psutil
+
+        total = 0.0
+        try:
+            root = psutil.Process(self.proc.pid)
+            for p in [root, *root.children(recursive=True)]:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    t = p.cpu_times()
+                    total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+        return total
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+        with contextlib.suppress(ProcessLookupError):  # Ray's daemons outliving the leader
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def start_server(name: str, argv: list[str], port: int, env: dict[str, str],
+                 log: Path) -> Server:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, **env}, start_new_session=True)
+    return Server(name, proc, f"http://127.0.0.1:{port}", time.perf_counter(), log)
+
+
+def flow_metrics(url: str) -> dict[str, float]:
+    """tokenflow's flow-control and protection counters from /metrics (cumulative): what
+    limited its steps to fewer chunks, if anything did."""
+    status, body = _get(f"{url}/metrics")
+    wanted = ("flow_transitions", "flow_mode", "chunk_timeouts", "degraded_mode",
+              "budget_deviation", "bandwidth_utilization")
+    out: dict[str, float] = {}
+    for line in body.decode(errors="replace").splitlines() if status == 200 else []:
+        if line.startswith("#") or not any(w in line for w in wanted):
+            continue
+        name, _, value = line.rpartition(" ")
+        try:
+            if float(value):
+                out[name] = float(value)
+        except ValueError:
+            continue
+    return out
+
+
+def summarize(rounds: list[dict[str, Any]], key: str) -> dict[str, float | None]:
+    values = [r[key] for r in rounds if r.get(key) is not None]
+    if not values:
+        return {"median": None, "min": None, "max": None}
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
