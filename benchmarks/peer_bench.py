@@ -138,7 +138,7 @@ def run_offline(model: str, rounds: int, vllm_python: str, log_dir: Path,
         order = list(engines)
         for r in range(rounds):
             for name in (order if r % 2 == 0 else order[::-1]):
-                result = engines[name].command("run", "round")
+                result = engines[name].command(f"run {r}", "round")
                 per[name].append(result)
                 print(f"[offline {tag}] round {r} {name}: {result['tok_s']:.1f} tok/s",
                       flush=True)
@@ -162,6 +162,14 @@ def run_offline(model: str, rounds: int, vllm_python: str, log_dir: Path,
         if profile:
             print(f"[offline {tag}] profiling tokenflow", flush=True)
             out["tokenflow_profile"] = engines["tokenflow"].command("profile", "profile")
+        # tokenflow's first start measured its budget table; a later start loads it.
+        engines.pop("tokenflow").close()
+        again = OfflineEngine("tokenflow", PY, "tokenflow", folder, {},
+                              log_dir / f"offline-{tag}-tokenflow-again.log")
+        out["engines"]["tokenflow"]["startup_cached_s"] = again.ready["startup_s"]
+        again.close()
+        out["startup_cached_ratio_vs_vllm_compiled"] = (
+            again.ready["startup_s"] / out["engines"]["vllm_compiled"]["startup_s"])
     finally:
         for engine in engines.values():
             engine.close()
@@ -247,9 +255,9 @@ def targets(report: dict[str, Any]) -> dict[str, Any]:
         tag = off["model"].split(":")[-1]
         t[f"offline_{tag}_vs_vllm_compiled>=1.3"] = {
             "value": off["ratio_vs_vllm_compiled"], "met": off["ratio_vs_vllm_compiled"] >= 1.3}
-        t[f"offline_{tag}_startup<=0.25x"] = {
-            "value": off["startup_ratio_vs_vllm_compiled"],
-            "met": off["startup_ratio_vs_vllm_compiled"] <= 0.25}
+        for key in ("startup_ratio_vs_vllm_compiled", "startup_cached_ratio_vs_vllm_compiled"):
+            if key in off:
+                t[f"offline_{tag}_{key}<=0.25"] = {"value": off[key], "met": off[key] <= 0.25}
     ratios = report.get("served", {}).get("ratios")
     if ratios:
         for key, bound, is_max in (("window_gap_p99_vs_vllm", 0.3, True),

@@ -81,10 +81,12 @@ def main() -> None:
     start = time.perf_counter()
     runner: Any = TokenflowRunner(args.model) if args.engine == "tokenflow" else \
         VllmRunner(args.model, eager=args.engine == "vllm-eager")
-    batch = prompts(runner.vocab_size)
     emit(event="ready", startup_s=time.perf_counter() - start, **runner.budget)
     for line in sys.stdin:
-        command = line.strip()
+        command, _, arg = line.strip().partition(" ")
+        # `run SEED`: new prompts per round (the same for both engines), so no round is
+        # served from the previous round's prefix cache.
+        batch = prompts(runner.vocab_size, int(arg or 0))
         if command == "run":
             t0 = time.perf_counter()
             outputs = runner.run(batch)
