@@ -272,6 +272,35 @@ def targets(report: dict[str, Any]) -> dict[str, Any]:
     return t
 
 
+def plot(report: dict[str, Any], path: Path) -> Path | None:
+    """One bar per Must-show ratio, with its target line (green: met)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    items = [(k, v) for k, v in report.get("targets", {}).items() if v["value"] is not None]
+    if not items:
+        return None
+    fig, ax = plt.subplots(figsize=(9, 0.45 * len(items) + 1.2))
+    names = [k for k, _ in items]
+    values = [v["value"] for _, v in items]
+    ax.barh(names, values, color=["tab:green" if v["met"] else "tab:red" for _, v in items])
+    for i, (name, value) in enumerate(zip(names, values, strict=True)):
+        bound = float(name.rsplit("=", 1)[-1])
+        ax.plot([bound, bound], [i - 0.4, i + 0.4], color="black")
+        ax.text(value, i, f" {value:.2f}", va="center", fontsize=8)
+    ax.set_xscale("log")
+    ax.set_xlabel("tokenflow / vLLM (black: the issue's target; green: met)")
+    ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--vllm-python", default=str(ROOT / ".venv-peer" / "bin" / "python"))
@@ -298,6 +327,7 @@ def main() -> None:
         report["rounds"], report["finished_unix"] = args.rounds, time.time()
         report["targets"] = targets(report)
         args.out.write_text(json.dumps(report, indent=2) + "\n")
+        plot(report, args.out.with_suffix(".png"))
 
     if not args.skip_served:
         report["served"] = run_served("builtin:bench", args.rounds, args.vllm_python, log_dir)
