@@ -15,10 +15,9 @@ from typing import TYPE_CHECKING
 from controller.budget import BudgetTable
 from controller.core import ControllerCore, PoolSpec
 from controller.gc_freeze import freeze_long_lived
-from controller.messages import SamplingParams, StepPlan, StepResult
+from controller.messages import RequestOutput, SamplingParams, StepPlan, StepResult
 from controller.pipeline import StepPipeline
 from controller.policies import make_scheduler_class
-from controller.request import RequestOutput
 
 if TYPE_CHECKING:  # pydantic stays out of importers that bring their own engine (gpu_bench)
     from cluster.config import TokenflowConfig

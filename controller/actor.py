@@ -42,10 +42,17 @@ from controller.budget import AutoBudgetResult, BudgetTable
 from controller.core import ControllerCore, NoWorkerUpError, PoolSpec, QueueFullError
 from controller.gc_freeze import freeze_long_lived
 from controller.journal import Journal, JournalRecord
-from controller.messages import Ack, DeltaBatch, FinishReason, SamplingParams, StepResult
+from controller.messages import (
+    Ack,
+    DeltaBatch,
+    FinishReason,
+    RequestOutput,
+    SamplingParams,
+    StepResult,
+)
 from controller.options import ControllerOptions
 from controller.policies import make_scheduler_class
-from controller.request import Request, RequestOutput, RequestStatus
+from controller.request import Request, RequestStatus
 from controller.request_metrics import QUEUE_FULL, MetricsSnapshot, RequestMetrics
 from controller.streams import Subscriber
 from controller.transport import make_transport

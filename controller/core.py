@@ -25,7 +25,14 @@ from controller.histogram import (
     Histogram,
     HistogramSnapshot,
 )
-from controller.messages import CacheEvict, ChunkComplete, SamplingParams, StepPlan, StepResult
+from controller.messages import (
+    CacheEvict,
+    ChunkComplete,
+    RequestOutput,
+    SamplingParams,
+    StepPlan,
+    StepResult,
+)
 from controller.protections import (
     CostModel,
     ProtectionConfig,
@@ -33,7 +40,7 @@ from controller.protections import (
     per_token_cost_model,
 )
 from controller.refit import OnlineRefit
-from controller.request import Request, RequestOutput, RequestStatus
+from controller.request import Request, RequestStatus
 from controller.scheduler import Scheduler, SchedulerConfig, StepLimits, StepShape
 from controller.settings import FORBID_EXTRA, check_settings, setting
 from kvcache.block_pool import BlockPool

@@ -33,8 +33,8 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from controller.backoff import Backoff
-from controller.messages import ChunkComplete, SamplingParams
-from controller.request import Request, RequestOutput
+from controller.messages import ChunkComplete, RequestOutput, SamplingParams
+from controller.request import Request
 from controller.settings import FORBID_EXTRA, check_settings, setting
 
 logger = logging.getLogger(__name__)

@@ -21,10 +21,6 @@ import enum
 import pickle
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from controller.request import RequestOutput
 
 
 @dataclass(frozen=True)
@@ -131,6 +127,23 @@ class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS, a stop token id, or a stop string at the edge
     LENGTH = "length"  # max_tokens or the model's context length
     ABORT = "abort"  # aborted: by its consumer, a protection or a failed worker
+
+
+@dataclass
+class RequestOutput:
+    """Delta for one request after one step: the edge turns these into streams."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None  # None while running
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int = 0
+    error: str | None = None  # set when the request was aborted by a protection
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass(frozen=True)

@@ -31,8 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from controller.core import ControllerCore
-from controller.messages import StepPlan, StepResult
-from controller.request import RequestOutput
+from controller.messages import RequestOutput, StepPlan, StepResult
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from controller.messages import FinishReason, SamplingParams
+from controller.messages import FinishReason, RequestOutput, SamplingParams
+
+__all__ = ["Request", "RequestOutput", "RequestStatus"]  # RequestOutput: its old home
 
 
 class RequestStatus(enum.Enum):
@@ -127,20 +129,3 @@ class Request:
         if self.max_model_len is not None and self.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
-
-
-@dataclass
-class RequestOutput:
-    """Delta for one request after one step: the edge turns these into streams."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finish_reason: FinishReason | None  # None while running
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int = 0
-    error: str | None = None  # set when the request was aborted by a protection
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
-from controller.messages import Delta, DeltaBatch
-from controller.request import RequestOutput
+from controller.messages import Delta, DeltaBatch, RequestOutput
 
 
 class Subscriber:

@@ -33,8 +33,7 @@ from typing import Any, TypeVar
 
 from controller.backoff import Backoff
 from controller.core import ControllerCore
-from controller.messages import FinishReason, StepPlan, StepResult
-from controller.request import RequestOutput
+from controller.messages import FinishReason, RequestOutput, StepPlan, StepResult
 from controller.settings import FORBID_EXTRA, check_settings, setting
 from controller.transport import ActorCallTransport, WorkerTransport
 

@@ -25,6 +25,7 @@ from controller.messages import (
     Ack,
     Delta,
     FinishReason,
+    RequestOutput,
     SamplingParams,
     StepPlan,
     StepResult,
@@ -32,7 +33,6 @@ from controller.messages import (
     encode_message,
 )
 from controller.options import ControllerOptions, WorkerConfig
-from controller.request import RequestOutput
 from controller.scheduler import SchedulerConfig
 from controller.worker_loop import RecoveryConfig
 from tests.unit.fake_runner import FakeRunner

@@ -17,8 +17,8 @@ import redis
 
 from controller.core import ControllerCore, PoolSpec
 from controller.journal import Journal, JournalConfig
-from controller.messages import SamplingParams, StepPlan, StepResult
-from controller.request import Request, RequestOutput
+from controller.messages import RequestOutput, SamplingParams, StepPlan, StepResult
+from controller.request import Request
 from controller.scheduler import SchedulerConfig
 from tests.redis_server import RedisServer
 from tests.unit.fake_runner import FakeRunner
