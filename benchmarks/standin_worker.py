@@ -25,7 +25,7 @@ from controller.messages import (
     encode_message,
 )
 from workers.actor import WorkerInfo, WorkerRestartedError
-from workers.step_gate import StepGate
+from workers.step_gate import WORKER_MAX_CONCURRENCY, StepGate
 
 STEP_S = 0.003  # a decode step of a 1B model on an H200, as the GPU path targets
 
@@ -40,6 +40,8 @@ class _State:
 
 
 class StandInWorkerActor:
+    MAX_CONCURRENCY = WORKER_MAX_CONCURRENCY  # as `WorkerActor`: the same two-call overlap
+
     def __init__(self, model: str, num_kv_blocks: int, block_size: int, dtype: str = "float32",
                  seed: int = 0, device: str = "auto", telemetry: bool = True,
                  peak_bandwidth_bytes_s: float | None = None, **device_options: object

@@ -294,7 +294,7 @@ class TokenflowConfig(BaseSettings):
         cal = self.calibration
         if cal.budget_file is None:
             return None
-        from cluster.budget_file import load_budget_table
+        from workers.budget_file import load_budget_table
 
         return load_budget_table(cal.budget_file)
 

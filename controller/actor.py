@@ -57,7 +57,6 @@ from controller.request_metrics import QUEUE_FULL, MetricsSnapshot, RequestMetri
 from controller.streams import Subscriber
 from controller.transport import make_transport
 from controller.worker_loop import WorkerSlot
-from workers.step_gate import WORKER_MAX_CONCURRENCY
 
 logger = logging.getLogger(__name__)
 CONTROLLER_NAME = "tokenflow-controller"
@@ -66,7 +65,8 @@ CONTROLLER_NAME = "tokenflow-controller"
 def start_worker_actors(opts: ControllerOptions) -> list[Any]:
     """The default `WorkerFactory`: one worker actor per GPU, else `num_workers` on CPU."""
     module, _, name = opts.worker_cls.partition(":")
-    worker_cls = ray.remote(getattr(importlib.import_module(module), name))
+    actor_cls = getattr(importlib.import_module(module), name)
+    worker_cls = ray.remote(actor_cls)
     wcfg, cache = opts.worker, opts.cache
     use_gpu = wcfg.device != "cpu" and ray.cluster_resources().get("GPU", 0) >= 1
     num_workers = int(ray.cluster_resources()["GPU"]) if use_gpu else wcfg.num_workers
@@ -76,7 +76,7 @@ def start_worker_actors(opts: ControllerOptions) -> list[Any]:
     return [worker_cls.options(name=worker_name(i), namespace=opts.cluster.namespace,
                                get_if_exists=True, lifetime="detached",
                                max_restarts=opts.cluster.worker_max_restarts,
-                               max_concurrency=WORKER_MAX_CONCURRENCY, **resources).remote(
+                               max_concurrency=actor_cls.MAX_CONCURRENCY, **resources).remote(
         wcfg.model, cache.num_kv_blocks, cache.block_size, wcfg.dtype, wcfg.seed,
         "cuda" if use_gpu else "cpu", wcfg.telemetry, wcfg.peak_bandwidth_bytes_s,
         attention_backend=wcfg.attention_backend, cuda_graphs=wcfg.cuda_graphs,

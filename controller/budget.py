@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-SCHEMA_VERSION = 1  # of the budget file; cluster/budget_file.py validates files on load
+SCHEMA_VERSION = 1  # of the budget file; workers/budget_file.py validates files on load
 
 
 @dataclass(frozen=True)

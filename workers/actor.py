@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from controller.budget import AutoBudget, AutoBudgetResult
 from controller.gc_freeze import freeze_long_lived
 from controller.messages import StepPlan, StepResult, decode_plan, encode_message
-from workers.step_gate import StepGate
+from workers.step_gate import WORKER_MAX_CONCURRENCY, StepGate
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,10 @@ class WorkerRestartedError(RuntimeError):
 
 
 class WorkerActor:
+    # Read by whoever starts the actor (Ray's `max_concurrency`): the controller names
+    # the class by an import path and imports nothing of the workers.
+    MAX_CONCURRENCY = WORKER_MAX_CONCURRENCY
+
     def __init__(self, model: str, num_kv_blocks: int, block_size: int, dtype: str = "float32",
                  seed: int = 0, device: str = "auto", telemetry: bool = True,
                  peak_bandwidth_bytes_s: float | None = None, attention_backend: str = "auto",

@@ -43,7 +43,6 @@ from controller.messages import (
     StepPlan,
     StepResult,
 )
-from controller.settings import check_thread_count
 from workers.attention import HostStaging, SeqSpan, StepMetadata, allocate_kv_cache, make_backend
 from workers.cuda_graphs import DecodeGraphs
 from workers.loader import load_model, parse_dtype
@@ -99,7 +98,8 @@ class PendingStep:
 def resolve_num_threads(num_threads: int) -> int:
     """N > 0 threads as given; -1 every core this process may run on (Ray pins an actor
     to its reserved CPUs otherwise), -2 all but one, ...; at least one."""
-    check_thread_count("num_threads", num_threads)
+    if num_threads == 0:  # as `worker.num_threads` is checked in the configuration
+        raise ValueError("num_threads must not be 0 (-1 means every core)")
     if num_threads > 0:
         return num_threads
     return max(1, len(os.sched_getaffinity(0)) + 1 + num_threads)

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from cluster.budget_file import load_budget_table
 from cluster.config import TokenflowConfig
 from cluster.engine import LocalEngine
 from controller.budget import BudgetTable
 from controller.messages import SamplingParams
+from workers.budget_file import load_budget_table
 
 SLO_MS = 20.0
 
