@@ -24,6 +24,7 @@ from controller.core import ControllerCore, PoolSpec
 from controller.messages import SamplingParams
 from controller.request_metrics import MetricsSnapshot, RequestMetrics
 from controller.scheduler import SchedulerConfig
+from controller.step_loop import StepLoop
 
 NUM_WORKERS = 4
 NUM_RUNNING = 256
@@ -42,13 +43,15 @@ def _loaded_core() -> tuple[ControllerCore, RequestMetrics]:
         request = core.add_request([3 + (i * 7 + j) % 400 for j in range(64)], params,
                                    tenant=f"tenant-{i % NUM_TENANTS}")
         metrics.on_admit(request)
+    loops = [StepLoop.serial(core, w, worker.execute) for w, worker in enumerate(workers)]
+
     def num_decoding() -> int:
         return sum(r.is_decoding for w in range(NUM_WORKERS)
                    for r in core.scheduler(w).running)
 
     for _ in range(500):  # prefill (a few chunks a step) until every request decodes
-        for w, worker in enumerate(workers):
-            for out in core.step(w, worker.execute):
+        for loop in loops:
+            for out in loop.step().outputs:
                 metrics.on_output(out, core.clock())
         if num_decoding() == NUM_RUNNING:
             break

@@ -16,8 +16,8 @@ from controller.budget import BudgetTable
 from controller.core import ControllerCore, PoolSpec
 from controller.gc_freeze import freeze_long_lived
 from controller.messages import RequestOutput, SamplingParams, StepPlan, StepResult
-from controller.pipeline import StepPipeline
 from controller.policies import make_scheduler_class
+from controller.step_loop import StepLoop
 
 if TYPE_CHECKING:  # pydantic stays out of importers that bring their own engine (gpu_bench)
     from cluster.config import TokenflowConfig
@@ -75,9 +75,9 @@ class LocalEngine:
             scheduler_cls=make_scheduler_class(scheduler.scheduling_policy),
             step_cost=step_cost, itl_slo_s=itl_slo_s)
         # scheduler.async_scheduling: the next step is planned and launched while the
-        # worker runs the current one (controller/pipeline.py); else one step at a time.
-        self.pipeline = StepPipeline(self.core, 0, self.worker.launch, self._wait) \
-            if scheduler.async_scheduling else None
+        # worker runs the current one (controller/step_loop.py); else one step at a time.
+        self.loop = StepLoop(self.core, 0, self.worker.launch, self._wait,
+                             is_ahead=scheduler.async_scheduling)
         self._pending: dict[str, deque[RequestOutput]] = defaultdict(deque)
         self.step_log: list[tuple[StepPlan, StepResult]] = []  # kept only when asked
         self.keep_step_log = False
@@ -103,12 +103,7 @@ class LocalEngine:
     def step(self) -> list[RequestOutput]:
         """One scheduler step on the worker; returns the deltas it produced. With async
         scheduling: the deltas of the step that was running, the next one launched."""
-        if self.pipeline is not None:
-            return self.pipeline.step().outputs
-        return self.core.step(0, self._execute)
-
-    def _execute(self, plan: StepPlan) -> StepResult:
-        return self._wait(self.worker.launch(plan))
+        return self.loop.step().outputs
 
     def _wait(self, pending: PendingStep) -> StepResult:
         result = self.worker.wait(pending)
@@ -121,12 +116,11 @@ class LocalEngine:
 
     def has_work(self) -> bool:
         """Something to step: a request to advance, or a step still running."""
-        return self.pipeline.has_work() if self.pipeline is not None \
-            else self.core.has_work(0)
+        return self.loop.has_work()
 
     def drain(self) -> list[RequestOutput]:
         """Finish the step still running (async scheduling), launching nothing after it."""
-        return self.pipeline.drain() if self.pipeline is not None else []
+        return self.loop.drain()
 
     def stream(self, request_id: str) -> Iterator[RequestOutput]:
         """Deltas of one request; steps the engine as needed (others' deltas are kept)."""

@@ -131,6 +131,22 @@ class _Unclaimed:
     last: RequestOutput | None = None
 
 
+class _ActorSlotListener:
+    """The step loops' `SlotListener`: the actor's delivery, journal and wake-ups."""
+
+    def __init__(self, actor: ControllerActor) -> None:
+        self.actor = actor
+
+    def deliver(self, outputs: list[RequestOutput]) -> None:
+        self.actor._deliver(outputs)
+
+    def on_step(self, result: StepResult) -> None:
+        self.actor._on_step(result)
+
+    def on_requests_moved(self, workers: list[int]) -> None:
+        self.actor._wake_workers(workers)
+
+
 class ControllerActor:
     def __init__(self, options: ControllerOptions,
                  worker_factory: WorkerFactory | None = None,
@@ -215,16 +231,14 @@ class ControllerActor:
             scheduler_cls=make_scheduler_class(opts.scheduler.scheduling_policy),
             step_cost=opts.step_cost, itl_slo_s=opts.itl_slo_s)
         cluster = opts.cluster
-        self.slots = [WorkerSlot(w, h, info, self.core, self._deliver, kill=self.kill_worker,
+        listener = _ActorSlotListener(self)
+        self.slots = [WorkerSlot(w, h, info, self.core, listener, kill=self.kill_worker,
                                  recovery=opts.recovery,
                                  transport=make_transport(
                                      cluster.worker_transport, h, info.incarnation,
                                      cluster.compiled_graph_probe_s,
                                      opts.recovery.ready_timeout_s, name=f"worker {w}"))
                       for w, (h, info) in enumerate(zip(handles, infos, strict=True))]
-        for slot in self.slots:
-            slot.on_requests_moved = self._wake_workers
-            slot.on_step = self._on_step
         # After `reset` and the budget table (ordinary calls): a graph would run steps
         # beside them. Compiling is sequential, the probes overlap.
         await asyncio.gather(*(s.transport.reopen(s.handle, s.info.incarnation)

@@ -1,10 +1,10 @@
-"""The controller core: per-worker state, routing, request bookkeeping, the step verb.
+"""The controller core: per-worker state, routing, request bookkeeping, the step verbs.
 
 Torch-free and Ray-free. One step of one worker is `plan = begin_step(w)`, the worker
-executes `plan`, `outputs = finish_step(w, plan, result)`; `step(w, execute)` is the
-synchronous form. `LocalEngine`, the Ray controller's async worker loop and the tests
-all drive the core through these verbs, so event handling (flow control, protections)
-lives here only: events never leave the core.
+executes `plan`, `outputs = finish_step(w, plan, result)`; `StepLoop`
+(controller/step_loop.py) is the one loop that sequences them, serially or planned ahead,
+for `LocalEngine`, the Ray controller's worker loop, the benchmarks and the tests. Event
+handling (flow control, protections) lives here only: events never leave the core.
 """
 
 from __future__ import annotations
@@ -414,14 +414,11 @@ class ControllerCore:
             charged = step_s * budgeted / total if total > 0 else e.elapsed_s
             state.chunk_charges[(e.request_id, e.chunk_index)] = (charged, budgeted)
 
-    def step(self, worker: int, execute: Callable[[StepPlan], StepResult]
-             ) -> list[RequestOutput]:
-        """One synchronous step: plan, `execute` on the worker, apply. Nothing to do: []."""
-        if not self.has_work(worker):
-            outputs, self.workers[worker].outbox = self.workers[worker].outbox, []
-            return outputs
-        plan = self.begin_step(worker)
-        return self.finish_step(worker, plan, execute(plan))
+    def take_outbox(self, worker: int) -> list[RequestOutput]:
+        """Outputs no step has carried yet (requests a protection aborted)."""
+        state = self.workers[worker]
+        outputs, state.outbox = state.outbox, []
+        return outputs
 
     def _limits(self, state: WorkerState) -> StepLimits:
         flow, now = state.flow, self.clock()
@@ -554,6 +551,22 @@ class ControllerCore:
             self.request_to_worker[request.request_id] = target
             targets.add(target)
         return sorted(targets), aborted
+
+    def fail_worker_requests(self, worker: int, error: str) -> list[RequestOutput]:
+        """The controller failed before a plan reached the worker: what the worker holds is
+        unknown. Every request here fails with `error`, the scheduler forgets the worker's
+        state and the pool its prefix hashes (a lost block move leaves them naming KV that
+        was never copied). Returns the failed requests' outputs."""
+        state = self.workers[worker]
+        failed = self.take_outbox(worker)  # ended by a protection, not handed out yet
+        for request_id in list(state.scheduler.requests):
+            out = self.abort(request_id)
+            if out is not None:
+                out.error = error
+                failed.append(out)
+        state.scheduler.forget_worker_state()
+        self.reset_prefix_cache(worker)
+        return failed
 
     def worker_ready(self, worker: int) -> None:
         """The (restarted) worker answered: back in routing."""

@@ -510,8 +510,8 @@ def test_a_controller_error_finishing_a_step_fails_its_requests_not_the_worker(
                 actor.core.finish_step, lambda w, plan, result: plan.num_scheduled_tokens,
                 "victim", nth)
         else:  # the journal's step boundary, after the outputs were delivered
-            slot.on_step = raise_once_after(
-                slot.on_step, lambda result: result.sampled_token_ids, "victim", nth)
+            slot.listener.on_step = raise_once_after(  # type: ignore[method-assign]
+                slot.listener.on_step, lambda result: result.sampled_token_ids, "victim", nth)
         victim, bystander = await asyncio.gather(collect(client, [1, 2, 3], "victim"),
                                                  collect(client, [4, 5, 6], "bystander"))
         assert victim[0].worker == worker and bystander[0].worker != worker

@@ -5,6 +5,7 @@ import pytest
 from controller.core import ControllerCore, PoolSpec
 from controller.messages import SamplingParams
 from controller.scheduler import SchedulerConfig
+from controller.step_loop import StepLoop
 
 
 @pytest.mark.parametrize(("prompt", "message"), [
@@ -25,7 +26,7 @@ def test_abort_mid_prefill_leaves_no_protection_state():
     core = ControllerCore([PoolSpec(64, 4)], SchedulerConfig(max_num_batched_tokens=8))
     request = core.add_request(list(range(1, 40)), SamplingParams(max_tokens=2))
     runner = FakeRunner(core.scheduler(0))
-    core.step(0, runner.execute)  # the first chunk: 8 of 39 tokens
+    StepLoop.serial(core, 0, runner.execute).step()  # the first chunk: 8 of 39 tokens
     protections = core.workers[0].protections
     assert protections._prefills
     assert core.abort(request.request_id) is not None

@@ -20,6 +20,7 @@ from controller.journal import Journal, JournalConfig
 from controller.messages import RequestOutput, SamplingParams, StepPlan, StepResult
 from controller.request import Request
 from controller.scheduler import SchedulerConfig
+from controller.step_loop import StepLoop
 from tests.redis_server import RedisServer
 from tests.unit.fake_runner import FakeRunner
 
@@ -65,7 +66,7 @@ class Driver:
             chunk_events.extend(result.chunk_events)
             return result
 
-        outputs = self.core.step(0, execute)
+        outputs = StepLoop.serial(self.core, 0, execute).step().outputs
         for out in outputs:
             self.tokens[out.request_id].extend(out.new_token_ids)
             if out.finished:

@@ -89,16 +89,16 @@ def test_fp32_greedy_equals_transformers_on_cuda(checkpoint, cuda_graphs):
 
 
 def test_step_pipeline_on_cuda_gives_the_serial_tokens(checkpoint):
-    """The step pipeline (controller/pipeline.py) where `launch` returns before the device
-    has run the step: the same tokens as serial stepping, greedy and seeded sampling, with
-    decode-only steps replayed from graphs and mixed steps eager. Core and worker driven
-    directly, as the GPU benchmark does (the GPU image has no pydantic for LocalEngine)."""
+    """The step loop planned ahead (controller/step_loop.py) where `launch` returns before
+    the device has run the step: the same tokens as serial stepping, greedy and seeded
+    sampling, with decode-only steps replayed from graphs and mixed steps eager. Core and
+    worker driven directly, as the GPU benchmark does (the GPU image has no pydantic for LocalEngine)."""
     import random
 
     from controller.core import ControllerCore, PoolSpec
     from controller.messages import SamplingParams
-    from controller.pipeline import StepPipeline
     from controller.scheduler import SchedulerConfig
+    from controller.step_loop import StepLoop
 
     def generate(is_async: bool) -> dict[str, list[int]]:
         worker = Worker(str(checkpoint), num_kv_blocks=256, block_size=16, device="cuda",
@@ -115,9 +115,9 @@ def test_step_pipeline_on_cuda_gives_the_serial_tokens(checkpoint):
             rid = core.add_request([rng.randrange(3, 250) for _ in range(n)],
                                    params[i % 2]).request_id
             got[rid] = []
-        pipeline = StepPipeline(core, 0, worker.launch, worker.wait)
-        while pipeline.has_work() if is_async else core.has_work(0):
-            outputs = pipeline.step().outputs if is_async else core.step(0, worker.execute)
+        loop = StepLoop(core, 0, worker.launch, worker.wait, is_ahead=is_async)
+        while loop.has_work():
+            outputs = loop.step().outputs
             for out in outputs:
                 got[out.request_id] += out.new_token_ids
         core.check_integrity()
