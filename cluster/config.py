@@ -26,7 +26,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from cluster.batch_config import BatchConfig
 from cluster.metrics import MetricsConfig
-from controller.budget import AutoBudget, BudgetFit, BudgetTable, CalibrationGrid, LinearStepCost
+from controller.budget import AutoBudget, BudgetFit, BudgetTable, CalibrationGrid, StepCost
 from controller.core import DegradedConfig
 from controller.flow import FlowConfig
 from controller.journal import JournalConfig
@@ -37,7 +37,7 @@ from controller.options import (
     WorkerConfig,
     budgeted_scheduler,
 )
-from controller.protections import CostModel, ProtectionConfig, per_token_cost_model
+from controller.protections import ProtectionConfig
 from controller.scheduler import SchedulerConfig
 from controller.worker_loop import RecoveryConfig
 
@@ -334,14 +334,7 @@ class TokenflowConfig(BaseSettings):
             return dataclasses.replace(self.scheduler)
         return budgeted_scheduler(self.scheduler, table, self.budget_fit(), self.cache)
 
-    def cost_model(self, table: BudgetTable | None = None) -> CostModel:
-        """predict(tokens, context) -> s: the budget table's fitted model when there is one
-        (deviation warnings and budget_score then compare against measurements)."""
-        if table is None:
-            return per_token_cost_model(self.protections.seconds_per_token)
-        return table.step_cost().chunk_s
-
-    def step_cost(self, table: BudgetTable | None) -> tuple[LinearStepCost | None,
+    def step_cost(self, table: BudgetTable | None) -> tuple[StepCost | None,
                                                               float | None]:
         """(the step cost model, the ITL SLO in seconds) the scheduler sizes chunks with."""
         if table is None:
@@ -356,7 +349,7 @@ class TokenflowConfig(BaseSettings):
             worker=self.worker, cache=self.cache, scheduler=self.scheduler_config(),
             flow=self.flow, protections=self.protections, degraded=self.degraded,
             cluster=self.cluster, recovery=self.recovery, journal=self.journal,
-            cost_model=self.cost_model(), auto_budget=self.auto_budget())
+            auto_budget=self.auto_budget())
         table = self.budget_table()
         return options if table is None else options.with_budget_table(table,
                                                                        self.budget_fit())

@@ -71,7 +71,7 @@ class LocalEngine:
             max_model_len=wcfg.max_model_len, max_queue_len=cfg.protections.max_queue_len,
             vocab_size=self.worker.vocab_size, clock=clock or time.monotonic,
             flow_config=cfg.flow, protection_config=cfg.protections,
-            cost_model=cfg.cost_model(table), degraded_config=cfg.degraded,
+            degraded_config=cfg.degraded,
             scheduler_cls=make_scheduler_class(scheduler.scheduling_policy),
             step_cost=step_cost, itl_slo_s=itl_slo_s)
         # scheduler.async_scheduling: the next step is planned and launched while the

@@ -227,7 +227,7 @@ class ControllerActor:
             max_model_len=self.max_model_len, max_queue_len=opts.protections.max_queue_len,
             vocab_size=self.vocab_size, clock=asyncio.get_running_loop().time,
             flow_config=opts.flow, protection_config=opts.protections,
-            cost_model=opts.cost_model, degraded_config=opts.degraded,
+            degraded_config=opts.degraded,
             scheduler_cls=make_scheduler_class(opts.scheduler.scheduling_policy),
             step_cost=opts.step_cost, itl_slo_s=opts.itl_slo_s)
         cluster = opts.cluster

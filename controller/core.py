@@ -15,7 +15,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from controller.budget import LinearStepCost
+from controller.budget import StepCost
 from controller.events import DoubleBufferedEventQueue
 from controller.flow import FlowConfig, FlowControl
 from controller.histogram import (
@@ -34,10 +34,8 @@ from controller.messages import (
     StepResult,
 )
 from controller.protections import (
-    CostModel,
     ProtectionConfig,
     Protections,
-    per_token_cost_model,
 )
 from controller.refit import OnlineRefit
 from controller.request import Request, RequestStatus
@@ -135,7 +133,7 @@ class WorkerState:
     # Outputs of requests a protection aborted outside `finish_step`; returned by the next.
     outbox: list[RequestOutput] = field(default_factory=list)
     # The calibrated step cost model (None: uncalibrated) and its online refit.
-    step_cost: LinearStepCost | None = None
+    step_cost: StepCost | None = None
     refit: OnlineRefit | None = None
     # (request id, chunk index) -> (charged, budgeted) seconds: a chunk's share of its step.
     chunk_charges: dict[tuple[str, int], tuple[float, float]] = field(default_factory=dict)
@@ -195,10 +193,9 @@ class ControllerCore:
                  max_queue_len: int = 1 << 30, clock: Callable[[], float] | None = None,
                  flow_config: FlowConfig | None = None,
                  protection_config: ProtectionConfig | None = None,
-                 cost_model: CostModel | None = None,
                  degraded_config: DegradedConfig | None = None,
                  scheduler_cls: type[Scheduler] = Scheduler, vocab_size: int | None = None,
-                 step_cost: LinearStepCost | None = None, itl_slo_s: float | None = None):
+                 step_cost: StepCost | None = None, itl_slo_s: float | None = None):
         if not pools:
             raise ValueError("at least one worker is needed")
         self.clock = clock or (lambda: 0.0)
@@ -208,9 +205,9 @@ class ControllerCore:
         self.max_queue_len = max_queue_len
         self.degraded_config = degraded_config or DegradedConfig()
         protection_config = protection_config or ProtectionConfig()
-        if cost_model is None:
-            cost_model = step_cost.chunk_s if step_cost is not None else \
-                per_token_cost_model(protection_config.seconds_per_token)
+        # The protections and the step deadline price chunks by the calibrated model,
+        # else by a fixed cost per token; the scheduler sizes chunks only by a calibrated one.
+        chunk_cost = step_cost or StepCost.per_token(protection_config.seconds_per_token)
         arrivals = itertools.count()  # one arrival order across workers
         self.workers = [
             WorkerState(
@@ -220,7 +217,7 @@ class ControllerCore:
                               clock=self.clock, arrivals=arrivals, step_cost=step_cost,
                               itl_slo_s=itl_slo_s),
                 FlowControl(flow_config, scheduler_config.max_concurrent_chunks),
-                Protections(protection_config, cost_model), step_cost=step_cost,
+                Protections(protection_config, chunk_cost), step_cost=step_cost,
                 refit=OnlineRefit(protection_config) if step_cost is not None else None)
             for p in pools]
         self.request_to_worker: dict[str, int] = {}
@@ -405,10 +402,10 @@ class ControllerCore:
             refitted = state.refit.observe(shape, step_s, cost)
             if refitted is not None:
                 state.step_cost = state.scheduler.step_cost = refitted
-                state.protections.cost_model = refitted.chunk_s
+                state.protections.step_cost = refitted
             state.scheduler.slo_headroom = state.refit.headroom
             return
-        alone = [state.protections.cost_model(e.num_tokens, e.start) for e in events]
+        alone = [state.protections.step_cost.chunk_s(e.num_tokens, e.start) for e in events]
         total = sum(alone)
         for e, budgeted in zip(events, alone, strict=True):
             charged = step_s * budgeted / total if total > 0 else e.elapsed_s

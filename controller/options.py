@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Literal, get_args, get_type_hints
 
-from controller.budget import AutoBudget, BudgetFit, BudgetTable, LinearStepCost
+from controller.budget import AutoBudget, BudgetFit, BudgetTable, StepCost
 from controller.core import DegradedConfig
 from controller.flow import FlowConfig
 from controller.journal import JournalConfig
-from controller.protections import CostModel, ProtectionConfig
+from controller.protections import ProtectionConfig
 from controller.scheduler import SchedulerConfig
 from controller.settings import FORBID_EXTRA, check_settings, check_thread_count, setting
 from controller.worker_loop import RecoveryConfig
@@ -181,8 +181,7 @@ class ControllerOptions:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     journal: JournalConfig = field(default_factory=JournalConfig)
-    cost_model: CostModel | None = None  # None: protections.seconds_per_token per token
-    step_cost: LinearStepCost | None = None  # a budget table's: chunks sized per step
+    step_cost: StepCost | None = None  # a budget table's: chunks sized per step
     itl_slo_s: float | None = None  # what step_cost sizes chunks for
     worker_cls: str = "workers.actor:WorkerActor"  # "module:Class" of the worker actor
     # Set (calibration.auto without a budget file): before its scheduler config is final,
@@ -194,7 +193,7 @@ class ControllerOptions:
         """These options running on `table`: its budget for the SLO, its cost model."""
         step_cost = table.step_cost()
         return replace(self, scheduler=budgeted_scheduler(self.scheduler, table, fit, self.cache),
-                       cost_model=step_cost.chunk_s, step_cost=step_cost,
+                       step_cost=step_cost,
                        itl_slo_s=fit.itl_slo_ms / 1e3, auto_budget=None)
 
 

@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Literal
 
+from controller.budget import StepCost
 from controller.messages import CachedRequestData, CacheEvict, NewRequestData, StepPlan, StepResult
 from controller.request import Request, RequestOutput, RequestStatus
 from controller.settings import FORBID_EXTRA, check_settings, setting
@@ -98,14 +99,6 @@ class SchedulerConfig:
                              "scheduler.max_num_batched_tokens")
 
 
-class StepCostModel(Protocol):
-    """Predicted seconds of a step: its chunks as (tokens, context) and its decodes, padded
-    to the longest decode context (controller.budget.LinearStepCost)."""
-
-    def step_s(self, chunks: Sequence[tuple[int, int]], num_decodes: int,
-               decode_context: int) -> float: ...
-
-
 @dataclass
 class StepShape:
     """What a plan carries, for pricing the step once its time is known."""
@@ -153,7 +146,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
                  clock: Callable[[], float] | None = None,
                  arrivals: Iterator[int] | None = None,
-                 step_cost: StepCostModel | None = None, itl_slo_s: float | None = None):
+                 step_cost: StepCost | None = None, itl_slo_s: float | None = None):
         self.config = config
         # Both set: chunks are sized by predicted step time (the core swaps in a refit).
         self.step_cost = step_cost

@@ -92,7 +92,8 @@ def test_step_pipeline_on_cuda_gives_the_serial_tokens(checkpoint):
     """The step loop planned ahead (controller/step_loop.py) where `launch` returns before
     the device has run the step: the same tokens as serial stepping, greedy and seeded
     sampling, with decode-only steps replayed from graphs and mixed steps eager. Core and
-    worker driven directly, as the GPU benchmark does (the GPU image has no pydantic for LocalEngine)."""
+    worker driven directly, as the GPU benchmark does (the GPU image has no pydantic for
+    LocalEngine)."""
     import random
 
     from controller.core import ControllerCore, PoolSpec
