@@ -27,7 +27,6 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from cluster.batch_config import BatchConfig
 from cluster.metrics import MetricsConfig
 from controller.budget import AutoBudget, BudgetFit, BudgetTable, CalibrationGrid, StepCost
-from controller.core import DegradedConfig
 from controller.flow import FlowConfig
 from controller.journal import JournalConfig
 from controller.options import (
@@ -40,6 +39,7 @@ from controller.options import (
 from controller.protections import ProtectionConfig
 from controller.scheduler import SchedulerConfig
 from controller.worker_loop import RecoveryConfig
+from controller.worker_state import DegradedConfig
 
 ENV_PREFIX = "TOKENFLOW_"
 # Comma-separated `KEY[:TENANT[:MIN_PRIORITY:MAX_PRIORITY]]` entries (a Kubernetes secret

@@ -53,9 +53,9 @@ from cluster.frontend import (
 )
 from cluster.metrics import CONTENT_TYPE, render
 from cluster.openapi import HEALTH, MODELS, openapi_spec
-from controller.core import NoWorkerUpError, QueueFullError
 from controller.messages import Delta, FinishReason
 from controller.request_metrics import CIRCUIT_BREAKER
+from controller.routing import NoWorkerUpError, QueueFullError
 from workers.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)

@@ -32,7 +32,7 @@ from cluster.batch_io import (
 )
 from cluster.config import TokenflowConfig
 from cluster.frontend import Frontend, Prepared
-from controller.core import NoWorkerUpError, QueueFullError
+from controller.routing import NoWorkerUpError, QueueFullError
 
 logger = logging.getLogger(__name__)
 

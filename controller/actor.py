@@ -39,7 +39,7 @@ from typing import Any
 import ray
 
 from controller.budget import AutoBudgetResult, BudgetTable
-from controller.core import ControllerCore, NoWorkerUpError, PoolSpec, QueueFullError
+from controller.core import ControllerCore, PoolSpec
 from controller.gc_freeze import freeze_long_lived
 from controller.journal import Journal, JournalRecord
 from controller.messages import (
@@ -54,6 +54,7 @@ from controller.options import ControllerOptions
 from controller.policies import make_scheduler_class
 from controller.request import Request, RequestStatus
 from controller.request_metrics import QUEUE_FULL, MetricsSnapshot, RequestMetrics
+from controller.routing import NoWorkerUpError, QueueFullError
 from controller.streams import Subscriber
 from controller.transport import make_transport
 from controller.worker_loop import WorkerSlot

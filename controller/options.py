@@ -12,13 +12,13 @@ from dataclasses import dataclass, field, replace
 from typing import Literal, get_args, get_type_hints
 
 from controller.budget import AutoBudget, BudgetFit, BudgetTable, StepCost
-from controller.core import DegradedConfig
 from controller.flow import FlowConfig
 from controller.journal import JournalConfig
 from controller.protections import ProtectionConfig
 from controller.scheduler import SchedulerConfig
 from controller.settings import FORBID_EXTRA, check_settings, check_thread_count, setting
 from controller.worker_loop import RecoveryConfig
+from controller.worker_state import DegradedConfig
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,6 @@ import pytest
 
 from cluster.controller_client import RayControllerClient, run_request
 from controller.actor import ControllerActor
-from controller.core import NoWorkerUpError
 from controller.messages import (
     Ack,
     Delta,
@@ -33,6 +32,7 @@ from controller.messages import (
     encode_message,
 )
 from controller.options import ControllerOptions, WorkerConfig
+from controller.routing import NoWorkerUpError
 from controller.scheduler import SchedulerConfig
 from controller.worker_loop import RecoveryConfig
 from tests.unit.fake_runner import FakeRunner
