@@ -37,8 +37,8 @@ from controller.options import (
     budgeted_scheduler,
 )
 from controller.protections import ProtectionConfig
+from controller.recovery import RecoveryConfig
 from controller.scheduler import SchedulerConfig
-from controller.worker_loop import RecoveryConfig
 from controller.worker_state import DegradedConfig
 
 ENV_PREFIX = "TOKENFLOW_"

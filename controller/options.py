@@ -15,9 +15,9 @@ from controller.budget import AutoBudget, BudgetFit, BudgetTable, StepCost
 from controller.flow import FlowConfig
 from controller.journal import JournalConfig
 from controller.protections import ProtectionConfig
+from controller.recovery import RecoveryConfig
 from controller.scheduler import SchedulerConfig
 from controller.settings import FORBID_EXTRA, check_settings, check_thread_count, setting
-from controller.worker_loop import RecoveryConfig
 from controller.worker_state import DegradedConfig
 
 

@@ -30,13 +30,12 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from controller.backoff import Backoff
 from controller.core import ControllerCore
 from controller.messages import FinishReason, RequestOutput, StepPlan, StepResult
-from controller.settings import FORBID_EXTRA, check_settings, setting
+from controller.recovery import RecoveryConfig
 from controller.step_loop import StepLoop
 from controller.transport import ActorCallTransport, WorkerTransport
 
@@ -44,31 +43,6 @@ logger = logging.getLogger(__name__)
 # Step records kept for stats and the overhead benchmark; older ones are dropped.
 _MAX_RECORDS = 4096
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class RecoveryConfig:
-    """How the controller notices a dead or hung worker and brings it back (`recovery:`)."""
-
-    __pydantic_config__ = FORBID_EXTRA
-
-    step_deadline_factor: float = setting(20.0, gt=0, description=(
-        "A step running longer than this many times the cost model's prediction (and "
-        "step_deadline_min_s) counts as a hang: the worker is killed and handled as dead."))
-    step_deadline_min_s: float = setting(30.0, gt=0, description=(
-        "Floor of the step deadline (first steps compile kernels and capture graphs)."))
-    ready_timeout_s: float = setting(60.0, gt=0, description=(
-        "How long one 'are you back?' call to a failed worker may take."))
-    restart_backoff_s: float = setting(0.2, gt=0, description=(
-        "First wait between tries to reach a failed worker; doubles up to the maximum."))
-    restart_backoff_max_s: float = setting(5.0, gt=0, description=(
-        "Longest wait between tries to reach a failed worker."))
-    max_worker_failures_per_request: int = setting(3, ge=1, description=(
-        "A request that was on this many failing workers is aborted with an error: it may "
-        "be what kills them."))
-
-    def __post_init__(self) -> None:
-        check_settings(self)
 
 
 class WorkerCallError(RuntimeError):
