@@ -41,9 +41,9 @@ import torch
 from benchmarks.policy_scene import plot_scene, run_scenes, scene_metrics
 from benchmarks.policy_workloads import SceneSpec, random_prompt
 from benchmarks.virtual_time import VirtualClock
-from controller.core import ControllerCore, PoolSpec
+from controller.core import ControllerCore
 from controller.messages import SamplingParams, StepPlan, StepResult
-from controller.policies import make_scheduler_class
+from controller.options import CacheConfig, ControllerOptions, WorkerConfig
 from controller.request import RequestOutput
 from controller.scheduler import SchedulerConfig
 from controller.step_loop import StepLoop
@@ -144,14 +144,14 @@ class BenchEngine:
     def __init__(self, worker: Worker, policy: str, budget: int, chunk: int | None = None,
                  clock: Callable[[], float] | None = None, is_async: bool = False) -> None:
         self.worker = worker
-        config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=512,
-                                 max_chunk_tokens=chunk)
         # No prefix caching: measurements repeat prompts and a hit would skip their prefill.
-        pool = PoolSpec(worker.num_kv_blocks, worker.block_size, enable_prefix_caching=False)
-        self.core = ControllerCore(
-            [pool], config, eos_token_ids=tuple(worker.eos_token_ids),
-            max_model_len=worker.model_config.max_model_len, vocab_size=worker.vocab_size,
-            clock=clock or time.monotonic, scheduler_cls=make_scheduler_class(policy))
+        options = ControllerOptions(
+            worker=WorkerConfig(max_model_len=worker.max_model_len),
+            cache=CacheConfig(block_size=worker.block_size, num_kv_blocks=worker.num_kv_blocks,
+                              enable_prefix_caching=False),
+            scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=512,
+                                      max_chunk_tokens=chunk, scheduling_policy=policy))
+        self.core = ControllerCore.for_workers(options, [worker], clock or time.monotonic)
         self.step_log: list[tuple[StepPlan, StepResult]] = []
         self.keep_step_log = False
         self.timings: list[StepTiming] = []

@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.standin_worker import StandInWorkerActor
-from controller.core import ControllerCore, PoolSpec
+from controller.core import ControllerCore
 from controller.messages import SamplingParams
+from controller.options import CacheConfig, ControllerOptions
 from controller.request_metrics import MetricsSnapshot, RequestMetrics
 from controller.scheduler import SchedulerConfig
 from controller.step_loop import StepLoop
@@ -33,10 +34,11 @@ TARGET_MS = 50.0
 
 
 def _loaded_core() -> tuple[ControllerCore, RequestMetrics]:
-    core = ControllerCore([PoolSpec(4096, 16) for _ in range(NUM_WORKERS)],
-                          SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=128),
-                          clock=time.monotonic)
     workers = [StandInWorkerActor("builtin:tiny", 4096, 16) for _ in range(NUM_WORKERS)]
+    options = ControllerOptions(
+        cache=CacheConfig(block_size=16, num_kv_blocks=4096),
+        scheduler=SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=128))
+    core = ControllerCore.for_workers(options, [w.info() for w in workers], time.monotonic)
     metrics = RequestMetrics()
     params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
     for i in range(NUM_RUNNING):

@@ -26,7 +26,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from cluster.batch_config import BatchConfig
 from cluster.metrics import MetricsConfig
-from controller.budget import AutoBudget, BudgetFit, BudgetTable, CalibrationGrid, StepCost
+from controller.budget import AutoBudget, BudgetFit, BudgetTable, CalibrationGrid
 from controller.flow import FlowConfig
 from controller.journal import JournalConfig
 from controller.options import (
@@ -333,13 +333,6 @@ class TokenflowConfig(BaseSettings):
         if table is None:
             return dataclasses.replace(self.scheduler)
         return budgeted_scheduler(self.scheduler, table, self.budget_fit(), self.cache)
-
-    def step_cost(self, table: BudgetTable | None) -> tuple[StepCost | None,
-                                                              float | None]:
-        """(the step cost model, the ITL SLO in seconds) the scheduler sizes chunks with."""
-        if table is None:
-            return None, None
-        return table.step_cost(), self.calibration.itl_slo_ms / 1e3
 
     def controller_options(self) -> ControllerOptions:
         """What the controller actor takes (it does not import this module). Measures

@@ -13,10 +13,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from controller.budget import BudgetTable
-from controller.core import ControllerCore, PoolSpec
+from controller.core import ControllerCore
 from controller.gc_freeze import freeze_long_lived
 from controller.messages import RequestOutput, SamplingParams, StepPlan, StepResult
-from controller.policies import make_scheduler_class
 from controller.step_loop import StepLoop
 
 if TYPE_CHECKING:  # pydantic stays out of importers that bring their own engine (gpu_bench)
@@ -54,30 +53,21 @@ class LocalEngine:
 
             self.worker.telemetry = make_source(str(self.worker.device),
                                                 wcfg.peak_bandwidth_bytes_s)
-        table = cfg.budget_table()
-        auto = cfg.auto_budget()
-        if table is None and auto is not None:  # measured on this engine's own worker
+        options = cfg.controller_options()  # with a budget file's table applied
+        auto = options.auto_budget
+        if auto is not None:  # measured on this engine's own worker, as the actor's worker 0
             from workers.auto_budget import worker_budget_table
 
             result = worker_budget_table(self.worker, wcfg.model, wcfg.dtype, auto,
                                          progress=True)
             self.worker.reset()
-            table = BudgetTable(result.data)
-        scheduler = cfg.scheduler_config(table)
-        step_cost, itl_slo_s = cfg.step_cost(table)
-        self.core = ControllerCore(
-            [PoolSpec(cache.num_kv_blocks, cache.block_size, cache.enable_prefix_caching)],
-            scheduler, eos_token_ids=tuple(self.worker.eos_token_ids),
-            max_model_len=wcfg.max_model_len, max_queue_len=cfg.protections.max_queue_len,
-            vocab_size=self.worker.vocab_size, clock=clock or time.monotonic,
-            flow_config=cfg.flow, protection_config=cfg.protections,
-            degraded_config=cfg.degraded,
-            scheduler_cls=make_scheduler_class(scheduler.scheduling_policy),
-            step_cost=step_cost, itl_slo_s=itl_slo_s)
+            options = options.with_budget_table(BudgetTable(result.data), auto.fit)
+        self.options = options
+        self.core = ControllerCore.for_workers(options, [self.worker], clock or time.monotonic)
         # scheduler.async_scheduling: the next step is planned and launched while the
         # worker runs the current one (controller/step_loop.py); else one step at a time.
         self.loop = StepLoop(self.core, 0, self.worker.launch, self._wait,
-                             is_ahead=scheduler.async_scheduling)
+                             is_ahead=options.scheduler.async_scheduling)
         self._pending: dict[str, deque[RequestOutput]] = defaultdict(deque)
         self.step_log: list[tuple[StepPlan, StepResult]] = []  # kept only when asked
         self.keep_step_log = False

@@ -39,7 +39,7 @@ from typing import Any
 import ray
 
 from controller.budget import AutoBudgetResult, BudgetTable
-from controller.core import ControllerCore, PoolSpec
+from controller.core import ControllerCore
 from controller.gc_freeze import freeze_long_lived
 from controller.journal import Journal, JournalRecord
 from controller.messages import (
@@ -51,7 +51,6 @@ from controller.messages import (
     StepResult,
 )
 from controller.options import ControllerOptions
-from controller.policies import make_scheduler_class
 from controller.request import Request, RequestStatus
 from controller.request_metrics import QUEUE_FULL, MetricsSnapshot, RequestMetrics
 from controller.routing import NoWorkerUpError, QueueFullError
@@ -200,7 +199,6 @@ class ControllerActor:
         if inspect.isawaitable(handles):
             handles = await handles
         self._num_starting = len(handles)
-        wcfg, cache = opts.worker, opts.cache
         infos_task = asyncio.gather(*(h.info.remote() for h in handles))
         while True:  # a worker actor that waits for resources must not wait in silence
             done, _ = await asyncio.wait({infos_task}, timeout=_STARTUP_LOG_EVERY_S)
@@ -219,18 +217,9 @@ class ControllerActor:
             # Before any scheduler exists: the budget it runs with is worker 0's table.
             self.options = opts = await self._auto_budget(handles[0], opts)
         records = await self._open_journal()
+        self.core = ControllerCore.for_workers(opts, infos, asyncio.get_running_loop().time)
         self.vocab_size = infos[0].vocab_size
-        self.max_model_len = min([wcfg.max_model_len, *(i.max_model_len for i in infos)])
-        self.core = ControllerCore(
-            [PoolSpec(i.num_kv_blocks, i.block_size, cache.enable_prefix_caching)
-             for i in infos],
-            opts.scheduler, eos_token_ids=tuple(infos[0].eos_token_ids),
-            max_model_len=self.max_model_len, max_queue_len=opts.protections.max_queue_len,
-            vocab_size=self.vocab_size, clock=asyncio.get_running_loop().time,
-            flow_config=opts.flow, protection_config=opts.protections,
-            degraded_config=opts.degraded,
-            scheduler_cls=make_scheduler_class(opts.scheduler.scheduling_policy),
-            step_cost=opts.step_cost, itl_slo_s=opts.itl_slo_s)
+        self.max_model_len = self.core.max_model_len
         cluster = opts.cluster
         listener = _ActorSlotListener(self)
         self.slots = [WorkerSlot(w, h, info, self.core, listener, kill=self.kill_worker,

@@ -12,23 +12,26 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 from controller.budget import StepCost
-from controller.flow import FlowConfig, FlowControl
+from controller.flow import FlowControl
 from controller.messages import (
     CacheEvict,
     RequestOutput,
     SamplingParams,
 )
+from controller.options import ControllerOptions
+from controller.policies import make_scheduler_class
 from controller.protections import (
-    ProtectionConfig,
     Protections,
 )
 from controller.refit import OnlineRefit
 from controller.request import Request, RequestStatus
 from controller.routing import NoWorkerUpError, QueueFullError, Routing
-from controller.scheduler import Scheduler, SchedulerConfig
+from controller.scheduler import Scheduler
 from controller.stepping import Stepping
 from controller.worker_state import DegradedConfig, PoolSpec, WorkerState
 from controller.worker_stats import WorkerStats, worker_stats
@@ -46,24 +49,43 @@ def request_seed(request_id: str) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the workers report about the model that requests are checked against."""
+
+    eos_token_ids: tuple[int, ...] = ()
+    max_model_len: int | None = None  # None: no cap on prompt + output tokens here
+    vocab_size: int | None = None  # None: token ids are not checked here
+
+
+class WorkerFacts(Protocol):
+    """What a worker reports at start (`WorkerInfo`, a `Worker`)."""
+
+    num_kv_blocks: int
+    block_size: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    max_model_len: int
+
+
 class ControllerCore(Routing, Stepping):
-    def __init__(self, pools: list[PoolSpec], scheduler_config: SchedulerConfig,
-                 eos_token_ids: tuple[int, ...] = (), max_model_len: int | None = None,
-                 max_queue_len: int = 1 << 30, clock: Callable[[], float] | None = None,
-                 flow_config: FlowConfig | None = None,
-                 protection_config: ProtectionConfig | None = None,
-                 degraded_config: DegradedConfig | None = None,
-                 scheduler_cls: type[Scheduler] = Scheduler, vocab_size: int | None = None,
-                 step_cost: StepCost | None = None, itl_slo_s: float | None = None):
+    def __init__(self, pools: list[PoolSpec], options: ControllerOptions | None = None,
+                 model: ModelFacts | None = None, clock: Callable[[], float] | None = None):
+        """One worker per pool, each with its scheduler, flow control and protections as
+        `options`' sections say (the scheduler's policy, a budget table's cost model)."""
         if not pools:
             raise ValueError("at least one worker is needed")
+        options = options or ControllerOptions()
+        model = model or ModelFacts()
         self.clock = clock or (lambda: 0.0)
-        self.eos_token_ids = eos_token_ids
-        self.vocab_size = vocab_size  # None: token ids are not checked here
-        self.max_model_len = max_model_len
-        self.max_queue_len = max_queue_len
-        self.degraded_config = degraded_config or DegradedConfig()
-        protection_config = protection_config or ProtectionConfig()
+        self.eos_token_ids = model.eos_token_ids
+        self.vocab_size = model.vocab_size
+        self.max_model_len = model.max_model_len
+        self.max_queue_len = options.protections.max_queue_len
+        self.degraded_config = options.degraded
+        scheduler_config, protection_config = options.scheduler, options.protections
+        step_cost, itl_slo_s = options.step_cost, options.itl_slo_s
+        scheduler_cls = make_scheduler_class(scheduler_config.scheduling_policy)
         # The protections and the step deadline price chunks by the calibrated model,
         # else by a fixed cost per token; the scheduler sizes chunks only by a calibrated one.
         chunk_cost = step_cost or StepCost.per_token(protection_config.seconds_per_token)
@@ -75,13 +97,27 @@ class ControllerCore(Routing, Stepping):
                                                        p.enable_prefix_caching)),
                               clock=self.clock, arrivals=arrivals, step_cost=step_cost,
                               itl_slo_s=itl_slo_s),
-                FlowControl(flow_config, scheduler_config.max_concurrent_chunks),
+                FlowControl(options.flow, scheduler_config.max_concurrent_chunks),
                 Protections(protection_config, chunk_cost), step_cost=step_cost,
                 refit=OnlineRefit(protection_config) if step_cost is not None else None)
             for p in pools]
         self.request_to_worker: dict[str, int] = {}
         self._ids = itertools.count()
         self._next_tie = 0
+
+    @classmethod
+    def for_workers(cls, options: ControllerOptions, workers: Sequence[WorkerFacts],
+                    clock: Callable[[], float] | None = None) -> ControllerCore:
+        """The one way a core is built outside tests (the controller actor, `LocalEngine`,
+        the benchmarks): a pool per worker as it reports it, the model's limits from the
+        first (every worker runs the same model), the configured max_model_len capped by
+        the model's."""
+        first = workers[0]
+        pools = [PoolSpec(w.num_kv_blocks, w.block_size, options.cache.enable_prefix_caching)
+                 for w in workers]
+        max_model_len = min([options.worker.max_model_len, *(w.max_model_len for w in workers)])
+        return cls(pools, options, ModelFacts(tuple(first.eos_token_ids), max_model_len,
+                                              first.vocab_size), clock)
 
     def scheduler(self, worker: int) -> Scheduler:
         return self.workers[worker].scheduler

@@ -201,6 +201,10 @@ class Worker:
         return self._config.eos_token_ids
 
     @property
+    def max_model_len(self) -> int:
+        return self._config.max_model_len
+
+    @property
     def num_params(self) -> int:
         # parameters() yields a tied tensor once, so it is counted once.
         return sum(p.numel() for p in self.model.parameters())

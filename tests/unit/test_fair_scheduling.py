@@ -9,6 +9,7 @@ import itertools
 from controller.budget import LinearFit, StepCost
 from controller.core import ControllerCore, PoolSpec
 from controller.messages import SamplingParams, StepPlan
+from controller.options import ControllerOptions
 from controller.protections import ProtectionConfig
 from controller.scheduler import SchedulerConfig
 from tests.unit.fake_runner import FakeRunner
@@ -30,10 +31,12 @@ class Scene:
                  protections: ProtectionConfig | None = None, **scheduler: object) -> None:
         self.now = 0.0
         self.core = ControllerCore(
-            [PoolSpec(num_blocks, BLOCK, False)],
-            SchedulerConfig(max_num_batched_tokens=budget, **scheduler),  # type: ignore[arg-type]
-            clock=lambda: self.now, protection_config=protections or ProtectionConfig(),
-            step_cost=model, itl_slo_s=SLO_S if model is not None else None)
+            [PoolSpec(num_blocks, BLOCK, False)], ControllerOptions(
+                scheduler=SchedulerConfig(max_num_batched_tokens=budget,
+                                          **scheduler),  # type: ignore[arg-type]
+                protections=protections or ProtectionConfig(),
+                step_cost=model, itl_slo_s=SLO_S if model is not None else None),
+            clock=lambda: self.now)
         self.sched = self.core.scheduler(0)
         self.runner = FakeRunner(self.sched)
         self.cost, self.factor = cost, 1.0

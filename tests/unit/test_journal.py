@@ -15,9 +15,10 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from controller.core import ControllerCore, PoolSpec
+from controller.core import ControllerCore, ModelFacts, PoolSpec
 from controller.journal import Journal, JournalConfig
 from controller.messages import RequestOutput, SamplingParams, StepPlan, StepResult
+from controller.options import ControllerOptions
 from controller.request import Request
 from controller.scheduler import SchedulerConfig
 from controller.step_loop import StepLoop
@@ -37,8 +38,9 @@ def server() -> Iterator[RedisServer]:
 
 
 def make_core() -> tuple[ControllerCore, FakeRunner]:
-    core = ControllerCore([PoolSpec(256, 4)], SchedulerConfig(
-        max_num_batched_tokens=32, max_chunk_tokens=8, max_num_seqs=64), vocab_size=100)
+    core = ControllerCore([PoolSpec(256, 4)], ControllerOptions(scheduler=SchedulerConfig(
+        max_num_batched_tokens=32, max_chunk_tokens=8, max_num_seqs=64)),
+        ModelFacts(vocab_size=100))
     return core, FakeRunner(core.scheduler(0), vocab_size=100)
 
 

@@ -12,8 +12,9 @@ give every request the same tokens, including requests that stop early on a stop
 
 from __future__ import annotations
 
-from controller.core import ControllerCore, PoolSpec
+from controller.core import ControllerCore, ModelFacts, PoolSpec
 from controller.messages import FinishReason, SamplingParams, StepPlan, StepResult
+from controller.options import ControllerOptions
 from controller.scheduler import SchedulerConfig
 from controller.step_loop import StepLoop
 from tests.unit.fake_runner import FakeRunner
@@ -47,10 +48,9 @@ class LaunchWaitWorker:
 def run(is_pipelined: bool, num_blocks: int = 24
         ) -> tuple[dict[str, tuple[list[int], FinishReason | None]], LaunchWaitWorker,
                    ControllerCore]:
-    core = ControllerCore([PoolSpec(num_blocks, 4, True)],
-                          SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8,
-                                          max_chunk_tokens=8),
-                          eos_token_ids=(0,), vocab_size=VOCAB)
+    core = ControllerCore([PoolSpec(num_blocks, 4, True)], ControllerOptions(
+        scheduler=SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8,
+                                  max_chunk_tokens=8)), ModelFacts((0,), vocab_size=VOCAB))
     worker = LaunchWaitWorker(core)
     ids = [core.add_request(prompt, params).request_id for _, prompt, params in workload()]
     got: dict[str, tuple[list[int], FinishReason | None]] = {rid: ([], None) for rid in ids}
@@ -97,9 +97,9 @@ def test_pipelined_under_kv_pressure_preempts_nobody_ahead_and_matches() -> None
 
 
 def test_an_abort_while_a_step_runs_releases_its_blocks() -> None:
-    core = ControllerCore([PoolSpec(24, 4, False)],
-                          SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8),
-                          eos_token_ids=(0,), vocab_size=VOCAB)
+    core = ControllerCore([PoolSpec(24, 4, False)], ControllerOptions(
+        scheduler=SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8)),
+        ModelFacts((0,), vocab_size=VOCAB))
     worker = LaunchWaitWorker(core)
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     ids = [core.add_request([i + 1] * 6, params).request_id for i in range(3)]

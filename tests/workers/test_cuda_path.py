@@ -96,18 +96,18 @@ def test_step_pipeline_on_cuda_gives_the_serial_tokens(checkpoint):
     LocalEngine)."""
     import random
 
-    from controller.core import ControllerCore, PoolSpec
+    from controller.core import ControllerCore
     from controller.messages import SamplingParams
+    from controller.options import CacheConfig, ControllerOptions
     from controller.scheduler import SchedulerConfig
     from controller.step_loop import StepLoop
 
     def generate(is_async: bool) -> dict[str, list[int]]:
         worker = Worker(str(checkpoint), num_kv_blocks=256, block_size=16, device="cuda",
                         max_graph_batch=8)
-        core = ControllerCore([PoolSpec(256, 16, True)],
-                              SchedulerConfig(max_num_batched_tokens=96, max_num_seqs=8),
-                              eos_token_ids=tuple(worker.eos_token_ids),
-                              vocab_size=worker.vocab_size)
+        core = ControllerCore.for_workers(ControllerOptions(
+            cache=CacheConfig(block_size=16, num_kv_blocks=256),
+            scheduler=SchedulerConfig(max_num_batched_tokens=96, max_num_seqs=8)), [worker])
         rng = random.Random(3)
         params = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
                   SamplingParams(max_tokens=20, temperature=0.9, seed=4, ignore_eos=True)]
