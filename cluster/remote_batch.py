@@ -160,7 +160,7 @@ async def _run(server: Any, lines: Iterator[str], out: TextIO, done_ids: set[str
 
 async def _generate(server: Any, frontend: Frontend, prepared: Prepared) -> dict[str, Any]:
     """One request to its OpenAI response body; ProtocolError for a refused or failed one."""
-    from cluster.ingress import collect
+    from cluster.answers import collect
 
     client = server.client
     request_id = p.new_chat_completion_id() if prepared.is_chat else p.new_completion_id()
