@@ -34,10 +34,10 @@ TARGET_MS = 50.0
 
 
 def _loaded_core() -> tuple[ControllerCore, RequestMetrics]:
-    workers = [StandInWorkerActor("builtin:tiny", 4096, 16) for _ in range(NUM_WORKERS)]
     options = ControllerOptions(
         cache=CacheConfig(block_size=16, num_kv_blocks=4096),
         scheduler=SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=128))
+    workers = [StandInWorkerActor(options.worker, options.cache) for _ in range(NUM_WORKERS)]
     core = ControllerCore.for_workers(options, [w.info() for w in workers], time.monotonic)
     metrics = RequestMetrics()
     params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)

@@ -38,21 +38,12 @@ class LocalEngine:
     def __init__(self, config: TokenflowConfig | None = None,
                  clock: Callable[[], float] | None = None, **overrides: object):
         from cluster.config import TokenflowConfig
-        from workers.worker import Worker  # torch stays out of torch-free importers
+        from workers.worker import build_worker  # torch stays out of torch-free importers
 
         self.config = config or TokenflowConfig(**overrides)  # type: ignore[arg-type]
         cfg = self.config
-        wcfg, cache = cfg.worker, cfg.cache
-        self.worker = Worker(wcfg.model, num_kv_blocks=cache.num_kv_blocks,
-                             block_size=cache.block_size, dtype=wcfg.dtype, seed=wcfg.seed,
-                             device=wcfg.device, attention_backend=wcfg.attention_backend,
-                             cuda_graphs=wcfg.cuda_graphs, max_graph_batch=wcfg.max_graph_batch,
-                             num_threads=wcfg.num_threads)
-        if wcfg.telemetry:
-            from workers.telemetry import make_source
-
-            self.worker.telemetry = make_source(str(self.worker.device),
-                                                wcfg.peak_bandwidth_bytes_s)
+        wcfg = cfg.worker
+        self.worker = build_worker(wcfg, cfg.cache)
         options = cfg.controller_options()  # with a budget file's table applied
         auto = options.auto_budget
         if auto is not None:  # measured on this engine's own worker, as the actor's worker 0

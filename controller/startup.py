@@ -38,12 +38,7 @@ def start_worker_actors(opts: ControllerOptions) -> list[Any]:
                                get_if_exists=True, lifetime="detached",
                                max_restarts=opts.cluster.worker_max_restarts,
                                max_concurrency=actor_cls.MAX_CONCURRENCY, **resources).remote(
-        wcfg.model, cache.num_kv_blocks, cache.block_size, wcfg.dtype, wcfg.seed,
-        "cuda" if use_gpu else "cpu", wcfg.telemetry, wcfg.peak_bandwidth_bytes_s,
-        attention_backend=wcfg.attention_backend, cuda_graphs=wcfg.cuda_graphs,
-        max_graph_batch=wcfg.max_graph_batch,
-        # Only when set: a worker class of a test or benchmark need not take it.
-        **({} if wcfg.num_threads is None else {"num_threads": wcfg.num_threads}))
+        dataclasses.replace(wcfg, device="cuda" if use_gpu else "cpu"), cache)
         for i in range(num_workers)]
 
 

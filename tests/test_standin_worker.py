@@ -9,14 +9,14 @@ import pytest
 from benchmarks.standin_worker import STEP_S, StandInWorkerActor
 from controller.core import ControllerCore, ModelFacts, PoolSpec
 from controller.messages import SamplingParams, StepResult, decode_result, encode_message
-from controller.options import ControllerOptions
+from controller.options import CacheConfig, ControllerOptions, WorkerConfig
 from controller.scheduler import SchedulerConfig
 
 
 @pytest.mark.parametrize("is_wire", [False, True], ids=["objects", "bytes"])
 def test_standin_runs_requests_to_completion_from_plan_diffs(is_wire: bool) -> None:
     """`is_wire`: plans sent as bytes, as actor calls send them; answered in bytes."""
-    worker = StandInWorkerActor("builtin:tiny", num_kv_blocks=64, block_size=16)
+    worker = StandInWorkerActor(WorkerConfig(), CacheConfig(block_size=16, num_kv_blocks=64))
     info = worker.info()
     # No prefix caching: the prompts share a prefix, and a hit skips reporting its chunk.
     core = ControllerCore([PoolSpec(info.num_kv_blocks, info.block_size, False)],

@@ -45,9 +45,24 @@ from workers.loader import load_model, parse_dtype
 from workers.model_config import ModelConfig
 from workers.presets import resolve_model
 from workers.sampler import Sampler, SamplingRow
+from workers.sections import CacheSection, RunOptions, WorkerSection
 from workers.step_state import PendingStep, RequestState, resolve_num_threads
 from workers.telemetry import TelemetrySource
 from workers.tokenizer import Tokenizer
+
+
+def build_worker(section: WorkerSection, cache: CacheSection) -> Worker:
+    """The one way a serving worker is built (the worker actor, `LocalEngine`): from the
+    validated `worker:` and `cache:` sections, with its bandwidth telemetry when asked."""
+    worker = Worker(section.model, cache.num_kv_blocks, cache.block_size, dtype=section.dtype,
+                    seed=section.seed, device=section.device, run=RunOptions(
+                        section.num_threads, section.attention_backend, section.cuda_graphs,
+                        section.max_graph_batch))
+    if section.telemetry:
+        from workers.telemetry import make_source
+
+        worker.telemetry = make_source(str(worker.device), section.peak_bandwidth_bytes_s)
+    return worker
 
 
 class Worker:
@@ -60,22 +75,22 @@ class Worker:
         seed: int = 0,
         keep_logits: bool = False,
         device: str = "cpu",
-        num_threads: int | None = None,
-        attention_backend: str = "auto",
-        cuda_graphs: bool = True,
-        max_graph_batch: int = 256,
+        run: RunOptions | None = None,
     ) -> None:
-        """`num_threads`: torch intra-op threads (process-wide) for CPU execution; None keeps
-        the process's default (torch's one per core, or Ray's reserved CPUs in an actor); a
-        negative count is relative to the cores the process may run on (-1: all, -2: all
-        but one), as joblib counts jobs. On a shared machine fewer threads than cores
-        is often faster: every parallel region waits for its slowest, possibly descheduled,
-        thread.
+        """`run` (`RunOptions`): how steps run on the device. `num_threads`: torch intra-op
+        threads (process-wide) for CPU execution; None keeps the process's default (torch's
+        one per core, or Ray's reserved CPUs in an actor); a negative count is relative to
+        the cores the process may run on (-1: all, -2: all but one), as joblib counts jobs.
+        On a shared machine fewer threads than cores is often faster: every parallel region
+        waits for its slowest, possibly descheduled, thread.
 
         `attention_backend`: "auto" (triton on CUDA, torch on CPU), "torch" or "triton"
         (workers/attention). `cuda_graphs`: replay decode-only steps of up to `max_graph_batch`
         sequences from CUDA graphs (workers/cuda_graphs.py); only where the device is CUDA
         and the backend capturable (triton), ignored elsewhere."""
+        run = run or RunOptions()
+        num_threads, attention_backend = run.num_threads, run.attention_backend
+        cuda_graphs, max_graph_batch = run.cuda_graphs, run.max_graph_batch
         if num_threads is not None:
             torch.set_num_threads(resolve_num_threads(num_threads))
         # "auto" and "cuda" both fall back to CPU where no GPU is present.

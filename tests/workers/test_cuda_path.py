@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 from tests.workers.attention_cases import make_case, torch_reference
 from tests.workers.helpers import Driver, build_hf_checkpoint, random_ids
 from workers.attention.triton_backend import TritonBackend
-from workers.worker import Worker
+from workers.worker import RunOptions, Worker
 
 CUDA = torch.device("cuda")
 # Long decodes (split-K where few), chunks over cached context crossing many blocks.
@@ -66,7 +66,7 @@ def test_fp32_greedy_equals_transformers_on_cuda(checkpoint, cuda_graphs):
     hf = tf.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).to(CUDA).eval()
     hf.generation_config.eos_token_id = None
     worker = Worker(str(checkpoint), num_kv_blocks=256, block_size=16, device="cuda",
-                    cuda_graphs=cuda_graphs, max_graph_batch=8)
+                    run=RunOptions(cuda_graphs=cuda_graphs, max_graph_batch=8))
     assert worker.backend.name == "triton" and (worker.graphs is not None) == cuda_graphs
     driver = Driver(worker)
     prompts = {f"r{i}": random_ids(n, seed=300 + i) for i, n in enumerate((3, 40, 130, 77))}
@@ -104,7 +104,7 @@ def test_step_pipeline_on_cuda_gives_the_serial_tokens(checkpoint):
 
     def generate(is_async: bool) -> dict[str, list[int]]:
         worker = Worker(str(checkpoint), num_kv_blocks=256, block_size=16, device="cuda",
-                        max_graph_batch=8)
+                        run=RunOptions(max_graph_batch=8))
         core = ControllerCore.for_workers(ControllerOptions(
             cache=CacheConfig(block_size=16, num_kv_blocks=256),
             scheduler=SchedulerConfig(max_num_batched_tokens=96, max_num_seqs=8)), [worker])
