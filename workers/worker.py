@@ -19,8 +19,8 @@ Bytes-moved estimate (feeds the CPU bandwidth telemetry), per step:
   + KV read        = sum over spans of context_len * kv_bytes_per_token
   + KV written     = T * kv_bytes_per_token
   + activations    = T * act_bytes_per_token + S * vocab * 4 (fp32 logits)
-where kv_bytes_per_token = 2 * layers * kv_size * elem and act_bytes_per_token counts, per layer,
-one write + read of each intermediate vector (norm in/out, q/k/v, attention out, gate/up/act).
+where kv_bytes_per_token and act_bytes_per_token come from the model's config
+(`ModelConfig.kv_bytes_per_token`, `ModelConfig.activation_bytes_per_token`).
 A chunk's `bytes_moved` uses the same terms for its own tokens plus its pro-rata share of weights.
 """
 
@@ -133,10 +133,8 @@ class Worker:
         self.telemetry: TelemetrySource | None = None
 
         elem = self.dtype.itemsize
-        self._kv_bytes_per_token = 2 * cfg.num_hidden_layers * cfg.kv_size * elem
-        per_layer = 4 * cfg.hidden_size + 2 * cfg.q_size + 2 * cfg.kv_size
-        per_layer += 3 * cfg.intermediate_size
-        self._act_bytes_per_token = 2 * cfg.num_hidden_layers * per_layer * elem
+        self._kv_bytes_per_token = cfg.kv_bytes_per_token(elem)
+        self._act_bytes_per_token = cfg.activation_bytes_per_token(elem)
         embed_bytes = cfg.vocab_size * cfg.hidden_size * elem
         self._matmul_weight_bytes = self.weight_bytes - (
             0 if cfg.tie_word_embeddings else embed_bytes
