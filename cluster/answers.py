@@ -62,7 +62,8 @@ async def sse_events(frontend: Frontend, prepared: Prepared, request_id: str,
     deltas (and the delta's token ids with `return_token_ids`); the last one carries the
     finish reason; with `stream_options.include_usage` a usage chunk comes before [DONE]."""
     req = prepared.request
-    model, created, chat = frontend.config.worker.model_name, int(time.time()), prepared.is_chat
+    head = p.Head(request_id, frontend.config.worker.model_name, int(time.time()))
+    chat = prepared.is_chat
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return_ids = bool(req.return_token_ids)
     prompt_ids: list[int] | None = prepared.prompt_token_ids if return_ids else None
@@ -70,7 +71,7 @@ async def sse_events(frontend: Frontend, prepared: Prepared, request_id: str,
     reason: FinishReason | None = None
     try:
         if chat:  # OpenAI's first chat chunk announces the role
-            yield p.sse(p.chat_completion_chunk(request_id, model, created, first=True,
+            yield p.sse(p.chat_completion_chunk(head, first=True,
                                                 prompt_token_ids=prompt_ids,
                                                 include_usage=include_usage))
             prompt_ids = None
@@ -87,11 +88,11 @@ async def sse_events(frontend: Frontend, prepared: Prepared, request_id: str,
             ids = delta.token_ids if return_ids else None
             if piece or ids or reason is not None:
                 if chat:
-                    chunk = p.chat_completion_chunk(request_id, model, created, piece or None,
+                    chunk = p.chat_completion_chunk(head, piece or None,
                                                     reason, token_ids=ids,
                                                     include_usage=include_usage)
                 else:
-                    chunk = p.completion_chunk(request_id, model, created, piece, reason,
+                    chunk = p.completion_chunk(head, piece, reason,
                                                token_ids=ids, prompt_token_ids=prompt_ids,
                                                include_usage=include_usage)
                     prompt_ids = None
@@ -99,7 +100,7 @@ async def sse_events(frontend: Frontend, prepared: Prepared, request_id: str,
             if reason is not None:
                 break
         if include_usage:
-            yield p.sse(p.usage_chunk(request_id, model, created,
+            yield p.sse(p.usage_chunk(head,
                                       len(prepared.prompt_token_ids), len(text.token_ids),
                                       chat=chat))
         yield p.SSE_DONE
