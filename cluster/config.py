@@ -207,6 +207,14 @@ class EdgeConfig(BaseModel):
     detokenize_in_thread_tokens: int = Field(16, ge=1, description=(
         "A delta of at least this many tokens is detokenized on the text threads (smaller "
         "ones cost less than the hand-off)."))
+    reconnect_backoff_s: float = Field(0.05, gt=0, description=(
+        "First wait before the edge subscribes to a restarted controller again; doubles up "
+        "to reconnect_backoff_max_s."))
+    reconnect_backoff_max_s: float = Field(1.0, gt=0, description=(
+        "Longest wait between the edge's tries to reach a restarted controller."))
+    reconnect_timeout_s: float = Field(120.0, ge=0, description=(
+        "How long the edge keeps trying to reach a restarted controller before every open "
+        "request fails."))
 
     @model_validator(mode="after")
     def _check(self) -> EdgeConfig:

@@ -328,7 +328,7 @@ class TokenflowIngress:
         edge = edge.model_copy(update={"api_keys": edge.api_keys + api_keys_from_env()})
         self.config = self.config.model_copy(update={"edge": edge})
         handle = get_or_create_controller(self.config.controller_options())
-        self.server = OpenAIServer(self.config, RayControllerClient(handle))
+        self.server = OpenAIServer(self.config, RayControllerClient(handle, self.config.edge))
         self.replica_id = serve.get_replica_context().replica_id.unique_id
 
     @app.post(COMPLETIONS)

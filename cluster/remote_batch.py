@@ -76,7 +76,7 @@ def run_remote(lines: Iterable[str], out: TextIO, config: TokenflowConfig,
     started = time.perf_counter()
     if controller is None:
         controller = connect_controller(config)
-    server = OpenAIServer(config, RayControllerClient(controller))
+    server = OpenAIServer(config, RayControllerClient(controller, config.edge))
     try:
         return asyncio.run(_run(server, iter(lines), out, done_ids, progress, started))
     finally:
