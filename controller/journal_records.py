@@ -34,8 +34,9 @@ class JournalConfig:
         "Redis socket connect and read timeout: how long a dead Redis can hold the writer."))
     write_interval_s: float = setting(0.05, ge=0, description=(
         "Least seconds between two writes of token progress: the steps in between go out "
-        "in one round trip (each costs the controller process ~0.2-0.4 ms of CPU, over a tenth "
-        "of a 3 ms step when paid every step). Admissions and flushes are written at once. "
+        "in one round trip (each round trip costs the controller process CPU, a noticeable "
+        "share of a GPU step when paid every step). Admissions and flushes are written at "
+        "once. "
         "Tokens not yet written when the controller dies are recomputed on resume (same "
         "seed, same tokens), so this trades CPU for a little recompute, never correctness; "
         "Redis's own default fsync loses up to 1 s anyway."))

@@ -122,9 +122,9 @@ class ClusterConfig:
             "restart; a worker whose graph cannot be built (compiling fails, its first "
             "empty step fails, or the thread the graph runs on is still held by a dead "
             "controller's graph) falls back to actor calls until it restarts. Not the "
-            "default: against a 3 ms stand-in step on a 2-core machine it cut the step only "
-            "at 16 running requests (6.3 -> 5.3 ms one at a time, 4.4 -> 4.1 ms with async "
-            "scheduling), not at 128, where the controller's own work dominates; and Ray's "
+            "default: against a short stand-in step on a small CPU machine it cut the step "
+            "at 16 running requests, not at 128, where the controller's own work dominates "
+            "(benchmarks/README.md has the figures); and Ray's "
             "channel readers poll, keeping a core busy in the controller and one in each "
             "worker even while idle."))
     compiled_graph_probe_s: float = setting(2.0, gt=0, description=(

@@ -23,8 +23,8 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
 
-    # Plain attributes set once per member (read for every request every step: an enum
-    # property with a membership test and a FinishReason lookup cost ~1 us each).
+    # Plain attributes set once per member: read for every request every step, where an
+    # enum property with a membership test and a FinishReason lookup would cost more.
     is_finished: bool
     finish_reason: FinishReason | None
 
@@ -33,9 +33,9 @@ class RequestStatus(enum.Enum):
         self.finish_reason = FinishReason(value) if self.is_finished else None
 
 
-# eq=False: a request is an identity. The generated __eq__ built and compared a tuple of
-# every field, and `request in running` / `running.remove` ran it against each running
-# request: ~6 % of the controller's GIL time in a 256-request batch job.
+# eq=False: a request is an identity. The generated __eq__ builds and compares a tuple of
+# every field, and `request in running` / `running.remove` would run it against each
+# running request, every step.
 @dataclass(eq=False)
 class Request:
     request_id: str
