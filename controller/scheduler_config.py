@@ -41,7 +41,7 @@ class SchedulerConfig:
     async_scheduling: bool = setting(False, description=(
         "Plan a worker's next step while its current one runs: in the Ray step loop the "
         "controller's planning and the actor round trip hide behind the device; in process "
-        "(LocalEngine, controller/pipeline.py) the next step is launched as soon as the "
+        "(LocalEngine, controller/step_loop.py) the next step is launched as soon as the "
         "current one is done and the controller plans and applies while it runs. Tokens "
         "sampled by the running step are "
         "pending in the next plan (the worker feeds them), a request that finishes is "
