@@ -89,7 +89,7 @@ async def _run(server: Any, lines: Iterator[str], out: TextIO, done_ids: set[str
     in flight: reading the input, preparing requests and writing answers run on threads."""
     # A controller the job just started is loading its model: wait longer than the
     # online edge would before giving up.
-    await asyncio.wait_for(server.client.model_info(), server.config.batch.ready_wait_s)
+    await asyncio.wait_for(server.client.model_info(), server.config.batch.start_timeout_s)
     frontend: Frontend = await server.frontend()
     counts = new_counts()
     counts["startup_ms"] = round(1e3 * (time.perf_counter() - started))
