@@ -36,8 +36,9 @@ bench: $(STAMP)
 bench-quick: $(STAMP)
 	$(PY) -m benchmarks.run --quick
 
-# The GPU table (benchmarks/gpu_bench.py). Where no venv can be installed (a GPU machine
-# without network), run it with the system Python: `python3 -m benchmarks.gpu_bench`.
+# The GPU table (benchmarks/gpu_bench.py): `.venv/bin/python -m benchmarks.gpu_bench`. Only
+# where no venv can be installed (a GPU machine without network) with the system Python,
+# once torch is there: `python3 -m benchmarks.gpu_bench` (benchmarks/README.md).
 bench-gpu: $(STAMP)
 	$(PY) -m benchmarks.gpu_bench
 
@@ -56,8 +57,9 @@ bench-batch: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check cluster controller workers kvcache tests benchmarks
 
+# Writes budget.json (budget.png beside it); an existing one is kept unless FORCE=1.
 calibrate: $(STAMP)
-	$(PY) -m cluster.cli calibrate --model '$(MODEL)' --out budget.json
+	$(PY) -m cluster.cli calibrate --model '$(MODEL)' --out budget.json $(if $(FORCE),--force)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -27,10 +27,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import platform
 import random
+import signal
 import statistics
+import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -57,6 +61,9 @@ SLO_FACTOR = 5.0  # the scene figure's ITL SLO line: 5x the decode step (Sarathi
 # Deviation and mode logs are expected while measuring (the cost model is not calibrated here).
 QUIET_LOGGERS = ("tokenflow.flow", "tokenflow.protections", "tokenflow.slow_requests")
 SCENE_POLICIES = {"tokenflow": 2048, "prefill-first": 8192}  # policy -> token budget
+# transformers' `generate` runs uncompiled: with a static cache it would otherwise compile the
+# model (tens of seconds to minutes) inside the timed calls and the device check's budget.
+HF_GENERATE: dict[str, Any] = {"disable_compile": True}
 
 
 @dataclass(frozen=True)
@@ -83,6 +90,8 @@ class GpuBenchConfig:
     parity_tokens: int
     iters: int
     bandwidth_bytes: int
+    smoke_context: int = 128  # the smoke phase's short decode
+    smoke_steps: int = 8
     profile_top: int = 10
     scene_budgets: dict[str, int] = field(default_factory=lambda: dict(SCENE_POLICIES))
 
@@ -102,7 +111,7 @@ QUICK = GpuBenchConfig(
     mixed_decodes=4, mixed_chunk=64, mixed_depth=128, mixed_repeats=1, offline_requests=8,
     offline_prompt=32, offline_output=8, hf_batch_size=4, scene=SceneSpec(4, 32, 24, 256, 4, 4),
     parity_prompts=4, parity_tokens=8, iters=2, bandwidth_bytes=32 * 2**20,
-    scene_budgets={"tokenflow": 64, "prefill-first": 512})
+    smoke_context=16, smoke_steps=3, scene_budgets={"tokenflow": 64, "prefill-first": 512})
 
 
 def _progress(message: str) -> None:
@@ -266,6 +275,11 @@ def measure_prefill(worker: Worker, hf: Any, cfg: GpuBenchConfig) -> dict[str, A
         if i:  # the first is the warm-up
             ours.append(engine.timings[-1].execute_s)
     engine.run_to_completion()
+    ours_ms = _median_ms(ours)
+    report: dict[str, Any] = {"prompt_tokens": n, "tokenflow_ms": ours_ms,
+                              "tokenflow_tokens_per_s": n / ours_ms * 1e3}
+    if hf is None:
+        return report | {"transformers": "not loaded (the reference phase failed)"}
     ids = torch.tensor([_prompts(1, n, vocab, 100)[0]], device=device)
 
     def forward() -> None:
@@ -273,12 +287,10 @@ def measure_prefill(worker: Worker, hf: Any, cfg: GpuBenchConfig) -> dict[str, A
             hf(ids, logits_to_keep=1)
 
     forward()
-    theirs = [_timed(forward, device) for _ in range(cfg.iters)]
-    ours_ms, theirs_ms = _median_ms(ours), _median_ms(theirs)
-    return {"prompt_tokens": n, "tokenflow_ms": ours_ms, "transformers_ms": theirs_ms,
-            "tokenflow_tokens_per_s": n / ours_ms * 1e3,
-            "transformers_tokens_per_s": n / theirs_ms * 1e3,
-            "speedup_vs_transformers": theirs_ms / ours_ms}
+    theirs_ms = _median_ms([_timed(forward, device) for _ in range(cfg.iters)])
+    return report | {"transformers_ms": theirs_ms,
+                     "transformers_tokens_per_s": n / theirs_ms * 1e3,
+                     "speedup_vs_transformers": theirs_ms / ours_ms}
 
 
 def _decoding_engine(worker: Worker, num: int, context: int, max_tokens: int, tag: str,
@@ -302,10 +314,10 @@ def _abort_all(engine: BenchEngine) -> None:
 def hf_decode_step_s(hf: Any, batch: int, context: int, num_steps: int, vocab: int,
                      device: torch.device, cache: str | None) -> float:
     """Per-token time of `generate` at this batch: (n+1 tokens) - (1 token) over n, so the
-    prompt's prefill cancels. Each length runs once untimed first (a static cache compiles)."""
+    prompt's prefill cancels. Each length runs once untimed first. Uncompiled (HF_GENERATE)."""
     ids = torch.tensor(_prompts(batch, context, vocab, 300), device=device)
     kwargs: dict[str, Any] = {"attention_mask": torch.ones_like(ids), "do_sample": False,
-                              "pad_token_id": 0}
+                              "pad_token_id": 0, **HF_GENERATE}
     if cache is not None:
         kwargs["cache_implementation"] = cache
 
@@ -351,7 +363,7 @@ def _decode_steps(worker: Worker, cfg: GpuBenchConfig, is_async: bool,
     return timings
 
 
-def measure_decode(worker: Worker, hf: Any, cfg: GpuBenchConfig, bandwidth: float,
+def measure_decode(worker: Worker, hf: Any, cfg: GpuBenchConfig, bandwidth: float | None,
                    profiles: dict[str, Any]
                    ) -> tuple[dict[str, Any], list[StepTiming], list[StepTiming]]:
     """The decode step stepped one at a time and with async scheduling; the report's
@@ -359,11 +371,15 @@ def measure_decode(worker: Worker, hf: Any, cfg: GpuBenchConfig, bandwidth: floa
     b, ctx, n = cfg.decode_batch, cfg.decode_context, cfg.decode_steps
     serial = _decode_steps(worker, cfg, False, profiles)
     timings = _decode_steps(worker, cfg, True)
-    bound = read_bound_s(worker, b, ctx + n // 2, bandwidth)
+    bound = read_bound_s(worker, b, ctx + n // 2, bandwidth) if bandwidth else None
     serial_ms = _median_ms([t.total_s for t in serial])
     step_ms = _median_ms([t.total_s for t in timings])
-    hf_ms = {}
+    hf_ms: dict[str, Any] = {"compiled": False}
     for name, cache in (("dynamic_cache", None), ("static_cache", "static")):
+        if hf is None:
+            hf_ms[name] = None
+            hf_ms[f"{name}_error"] = "not loaded (the reference phase failed)"
+            continue
         try:
             hf_ms[name] = hf_decode_step_s(hf, b, ctx, n, worker.vocab_size, worker.device,
                                            cache) * 1e3
@@ -375,7 +391,8 @@ def measure_decode(worker: Worker, hf: Any, cfg: GpuBenchConfig, bandwidth: floa
               "execute_ms": _median_ms([t.execute_s for t in timings]),
               "serial_execute_ms": _median_ms([t.execute_s for t in serial]),
               "tokens_per_s": b / step_ms * 1e3, "transformers_generate_ms": hf_ms,
-              "read_bound": bound, "vs_read_bound": step_ms / bound["bound_ms"]}
+              "read_bound": bound,
+              "vs_read_bound": step_ms / bound["bound_ms"] if bound else None}
     for name in ("dynamic_cache", "static_cache"):
         if hf_ms.get(name):
             report[f"speedup_vs_{name}"] = hf_ms[name] / step_ms
@@ -430,6 +447,14 @@ def measure_offline(worker: Worker, hf: Any, cfg: GpuBenchConfig) -> dict[str, A
 
     serial_s = ours(False)
     ours_s = ours(True)
+    total = n * out
+    report: dict[str, Any] = {
+        "requests": n, "prompt_tokens": p_len, "output_tokens": out, "budget": 8192,
+        "tokenflow_s": ours_s, "async_scheduling": True, "serial_tokenflow_s": serial_s,
+        "serial_tokenflow_output_tokens_per_s": total / serial_s,
+        "tokenflow_output_tokens_per_s": total / ours_s}
+    if hf is None:
+        return report | {"transformers": "not loaded (the reference phase failed)"}
     device = worker.device
     batches = [prompts[i:i + cfg.hf_batch_size] for i in range(0, n, cfg.hf_batch_size)]
 
@@ -437,19 +462,13 @@ def measure_offline(worker: Worker, hf: Any, cfg: GpuBenchConfig) -> dict[str, A
         ids = torch.tensor(batch, device=device)
         with torch.inference_mode():
             hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                        max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
+                        max_new_tokens=new, min_new_tokens=new, pad_token_id=0, **HF_GENERATE)
 
     hf_batch(batches[0][:2], 2)
     theirs_s = sum(_timed(lambda b=b: hf_batch(b, out), device) for b in batches)
-    total = n * out
-    return {"requests": n, "prompt_tokens": p_len, "output_tokens": out,
-            "budget": 8192, "hf_batch_size": cfg.hf_batch_size,
-            "tokenflow_s": ours_s, "async_scheduling": True, "serial_tokenflow_s": serial_s,
-            "serial_tokenflow_output_tokens_per_s": total / serial_s,
-            "transformers_s": theirs_s,
-            "tokenflow_output_tokens_per_s": total / ours_s,
-            "transformers_output_tokens_per_s": total / theirs_s,
-            "speedup_vs_transformers": theirs_s / ours_s}
+    return report | {"hf_batch_size": cfg.hf_batch_size, "transformers_s": theirs_s,
+                     "transformers_output_tokens_per_s": total / theirs_s,
+                     "speedup_vs_transformers": theirs_s / ours_s}
 
 
 def measure_scene(worker: Worker, cfg: GpuBenchConfig, slo_ms: float,
@@ -463,9 +482,13 @@ def measure_scene(worker: Worker, cfg: GpuBenchConfig, slo_ms: float,
         budgets[policy] = budget
         traces.update(run_scenes({policy: engine}, {policy: clock}, cfg.scene))  # type: ignore[dict-item]
     metrics = {p: scene_metrics(t) for p, t in traces.items()}
-    if png is not None:
-        plot_scene(traces, slo_ms, png)
     report: dict[str, Any] = {"spec": asdict(cfg.scene), "budgets": budgets}
+    if png is not None:
+        try:  # the figure is optional: a machine without matplotlib still gets the numbers
+            plot_scene(traces, slo_ms, png)
+            report["png"] = png.name
+        except ImportError as err:
+            report["png"] = f"not drawn: {err}"
     for policy, m in metrics.items():
         report[policy] = {"users_p99_gap_ms": m["itl_during_long_prefill"]["p99_ms"],
                           "users_median_gap_ms": m["itl_during_long_prefill"]["median_ms"],
@@ -497,7 +520,8 @@ def measure_parity(folder: Path, device: torch.device, cfg: GpuBenchConfig) -> d
         inp = torch.tensor([prompt], device=device)
         with torch.inference_mode():
             ref = hf.generate(inp, attention_mask=torch.ones_like(inp), do_sample=False,
-                              max_new_tokens=cfg.parity_tokens, pad_token_id=0)
+                              max_new_tokens=cfg.parity_tokens, pad_token_id=0,
+                              **HF_GENERATE)
         ref_ids = ref[0, len(prompt):].tolist()
         if ref_ids == outputs[rid]:
             num_equal += 1
@@ -550,23 +574,35 @@ def host_share(timings: list[StepTiming]) -> dict[str, float]:
             "step_ms": total, "controller_share": controller / total}
 
 
+def _get(report: dict[str, Any], *path: str) -> Any:
+    for key in path:
+        if not isinstance(report, dict) or key not in report:
+            return None
+        report = report[key]
+    return report
+
+
 def targets(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Issue 10's targets for an H200 on the full shapes (informative on other shapes)."""
-    dec, scene = report["decode"], report["scene"]
-    static = dec["transformers_generate_ms"].get("static_cache")
+    """The GPU issues' targets for an H200 on the full shapes (informative on other shapes);
+    a figure whose phase failed or was skipped is None, not met."""
+    static = _get(report, "decode", "transformers_generate_ms", "static_cache")
+    step_ms = _get(report, "decode", "step_ms")
+    parity = _get(report, "parity", "all_equal")
     rows = {
-        "decode_step_ms": (dec["step_ms"], "<=", 3.0),
-        "decode_vs_read_bound": (dec["vs_read_bound"], "<=", 3.0),
-        "decode_speedup_vs_static_generate": (static / dec["step_ms"] if static else None,
+        "decode_step_ms": (step_ms, "<=", 3.0),
+        "decode_vs_read_bound": (_get(report, "decode", "vs_read_bound"), "<=", 3.0),
+        "decode_speedup_vs_static_generate": (static / step_ms if static and step_ms else None,
                                               ">=", 2.5),
-        "mixed_step_ms": (report["mixed"]["step_ms"], "<=", 20.0),
-        "offline_speedup_vs_transformers": (report["offline"]["speedup_vs_transformers"],
-                                            ">=", 2.0),
-        "scene_p99_gap_ratio": (scene.get("p99_gap_ratio"), "<=", 0.3),
-        "scene_ttft_ratio": (scene.get("ttft_ratio"), "<=", 1.5),
-        "controller_share_of_decode_step": (report["host_share"]["decode"]["controller_share"],
-                                            "<=", 0.1),
-        "fp32_greedy_equal": (float(report["parity"]["all_equal"]), ">=", 1.0),
+        "mixed_step_ms": (_get(report, "mixed", "step_ms"), "<=", 20.0),
+        "offline_speedup_vs_transformers": (
+            _get(report, "offline", "speedup_vs_transformers"), ">=", 2.0),
+        "scene_p99_gap_ratio": (_get(report, "scene", "p99_gap_ratio"), "<=", 0.3),
+        "scene_ttft_ratio": (_get(report, "scene", "ttft_ratio"), "<=", 1.5),
+        "controller_share_of_decode_step": (
+            _get(report, "host_share", "decode", "controller_share"), "<=", 0.1),
+        "fp32_greedy_equal": (None if parity is None else float(parity), ">=", 1.0),
+        "kernels_per_decode_layer": (_get(report, "kernel_count", "fused", "per_layer"),
+                                     "<=", 12),
     }
     out = {}
     for name, (value, op, target) in rows.items():
@@ -575,84 +611,280 @@ def targets(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def run(cfg: GpuBenchConfig, device: torch.device, work_dir: Path,
-        png: Path | None) -> dict[str, Any]:
-    started, wall = time.perf_counter(), {}
+# -- the run: fail-soft phases, gpu.json written as each ends ------------------------------
+TRACEBACK_LINES = 12
+
+
+class BenchInterrupted(Exception):
+    """SIGTERM (the device check's `timeout`) or SIGINT arrived during a phase."""
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise BenchInterrupted(f"{signal.Signals(signum).name} received")
+
+
+class PhaseLog:
+    """The report as the run goes: each phase's result, or its error with the traceback's
+    last lines, is written to `out` (atomically) as the phase ends, so that a crash, a hung
+    device or `timeout`'s kill leaves every finished phase's figures. A phase runs only when
+    the phases it needs succeeded and, under `budget_s`, while time is left."""
+
+    def __init__(self, out: Path, report: dict[str, Any], budget_s: float | None) -> None:
+        self.out, self.report, self.budget_s = out, report, budget_s
+        self.started = time.perf_counter()
+        self.current: str | None = None  # the phase running, or last run
+        report["phases"] = {}
+        out.parent.mkdir(parents=True, exist_ok=True)
+        self.write()
+
+    def write(self) -> None:
+        tmp = self.out.with_name(self.out.name + ".tmp")
+        tmp.write_text(json.dumps(self.report, indent=2, default=repr) + "\n", encoding="utf-8")
+        os.replace(tmp, self.out)
+
+    def is_ok(self, name: str) -> bool:
+        return self.report["phases"].get(name, {}).get("status") == "ok"
+
+    @property
+    def errors(self) -> list[str]:
+        return [n for n, e in self.report["phases"].items() if e["status"] == "error"]
+
+    def mark_cut(self, err: BaseException) -> None:
+        """An interruption that struck outside a phase's own handler (between its progress
+        line and its call, say): the phase is recorded as cut all the same."""
+        if self.current is not None and self.current not in self.report["phases"]:
+            self.report["phases"][self.current] = {
+                "status": "error", "error": f"{type(err).__name__}: {err}", "traceback": []}
+        self.write()
+
+    def run(self, name: str, fn: Callable[[], Any], needs: tuple[str, ...] = ()) -> Any:
+        self.current = name
+        elapsed = time.perf_counter() - self.started
+        missing = [n for n in needs if not self.is_ok(n)]
+        result, entry = None, {}
+        if missing:
+            entry = {"status": "skipped", "reason": f"needs {', '.join(missing)}"}
+        elif self.budget_s is not None and elapsed > self.budget_s:
+            entry = {"status": "skipped", "reason": f"the {self.budget_s:.0f} s budget is spent"}
+        else:
+            _progress(f"{name} (at {elapsed:.0f} s)")
+            start = time.perf_counter()
+            try:
+                result = fn()
+                entry = {"status": "ok"}
+                if result is not None:
+                    self.report[name] = result
+            except Exception as err:
+                lines = traceback.format_exc().rstrip().splitlines()
+                entry = {"status": "error", "error": f"{type(err).__name__}: {err}"[:2000],
+                         "traceback": lines[-TRACEBACK_LINES:]}
+                _progress(f"{name} FAILED: {entry['error'][:300]}")
+                if isinstance(err, BenchInterrupted):
+                    entry["wall_s"] = time.perf_counter() - start
+                    self.report["phases"][name] = entry
+                    self.write()
+                    raise
+            entry["wall_s"] = time.perf_counter() - start
+        self.report["phases"][name] = entry
+        self.write()
+        return result
+
+
+@dataclass
+class BenchState:
+    """What the phases hand on to each other."""
+
+    folder: Path | None = None
+    parity_folder: Path | None = None
+    worker: Worker | None = None
+    hf: Any = None
+    bandwidth: float | None = None
+    profiles: dict[str, Any] = field(default_factory=dict)
+
+
+def _execution(worker: Worker) -> dict[str, Any]:
+    graphs = worker.graphs
+    return {"attention_backend": worker.backend.name, "fused_layers": worker.uses_fused_layers,
+            "cuda_graphs": graphs is not None,
+            "graph_buckets": graphs.buckets if graphs is not None else [],
+            "startup_s": worker.startup_s}
+
+
+def _graph_replays(worker: Worker) -> int:
+    return worker.graphs.num_replays if worker.graphs is not None else 0
+
+
+def measure_smoke_decode(worker: Worker, cfg: GpuBenchConfig) -> dict[str, Any]:
+    """A short decode of the benchmark batch at a short context, stepped serially: the first
+    timed figure, seconds after start-up."""
+    engine = _decoding_engine(worker, cfg.decode_batch, cfg.smoke_context,
+                              cfg.smoke_steps + 8, "smoke", budget=8192)
+    engine.step()  # warm-up
+    replays = _graph_replays(worker)
+    start = len(engine.timings)
+    for _ in range(cfg.smoke_steps):
+        engine.step()
+    timings = engine.timings[start:]
+    num_replays = _graph_replays(worker) - replays
+    _abort_all(engine)
+    engine.step()
+    return {"batch": cfg.decode_batch, "context": cfg.smoke_context,
+            "timed_steps": len(timings), "step_ms": _median_ms([t.total_s for t in timings]),
+            "execute_ms": _median_ms([t.execute_s for t in timings]),
+            "graph_replays": num_replays, "graphs_used": num_replays >= len(timings)}
+
+
+def measure_kernel_count(cfg: GpuBenchConfig) -> dict[str, Any]:
+    """Kernels of one decode step of the benchmark model at the decode batch and context, on
+    meta tensors (workers/kernels/dispatch_count.py): the fused CUDA path and, for
+    comparison, the torch layers over the same attention kernels."""
+    from workers.kernels.dispatch_count import count_decode_kernels
+    from workers.model_config import ModelConfig
+
+    model_cfg = ModelConfig.from_dict(preset_config_dict(cfg.model))
     dtype = getattr(torch, cfg.dtype)
-    tag = f"{cfg.model.hidden_size}x{cfg.model.num_hidden_layers}-{cfg.dtype}-s{cfg.model.seed}"
-    _progress(f"checkpoint {tag} on {device}")
-    folder = write_checkpoint(cfg.model, dtype, work_dir / f"llama-{tag}", device)
-    parity_folder = write_checkpoint(cfg.parity_model, torch.float32,
-                                     work_dir / f"parity-s{cfg.parity_model.seed}", device)
-    worker = Worker(str(folder), num_kv_blocks=cfg.num_kv_blocks, block_size=cfg.block_size,
-                    dtype=cfg.dtype, device=str(device))
-    hf = load_hf(folder, dtype, device)
-    bandwidth = measure_memory_bandwidth(nbytes=cfg.bandwidth_bytes, warmup=2, iters=5,
-                                         device=str(device))
-    wall["setup_s"] = time.perf_counter() - started
-    profiles: dict[str, Any] = {}
+    chunk = (cfg.mixed_depth, cfg.mixed_chunk)
+    return {"fused": count_decode_kernels(model_cfg, cfg.decode_batch, cfg.decode_context,
+                                          dtype),
+            "unfused": count_decode_kernels(model_cfg, cfg.decode_batch, cfg.decode_context,
+                                            dtype, fused=False),
+            # The mixed step runs eagerly: its count is the ops the host dispatches.
+            "mixed_fused": count_decode_kernels(model_cfg, cfg.mixed_decodes, 256, dtype,
+                                                chunk=chunk),
+            "mixed_unfused": count_decode_kernels(model_cfg, cfg.mixed_decodes, 256, dtype,
+                                                  fused=False, chunk=chunk)}
+
+
+def run(cfg: GpuBenchConfig, device: torch.device, work_dir: Path, png: Path | None,
+        out: Path, budget_s: float | None = None, extra: dict[str, Any] | None = None,
+        ) -> dict[str, Any]:
+    """Every phase, in order of what matters most; `out` rewritten as each ends."""
+    dtype = getattr(torch, cfg.dtype)
     report: dict[str, Any] = {
         "benchmark": "gpu", "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda"
         else platform.processor() or platform.machine(),
-        "versions": _versions(), "config": asdict(cfg),
-        "model": {"params": worker.num_params, "weight_bytes": worker.weight_bytes,
-                  "dtype": cfg.dtype},
-        "copy_bandwidth_bytes_s": bandwidth}
-    phases: list[tuple[str, Callable[[], Any]]] = [
-        ("prefill", lambda: measure_prefill(worker, hf, cfg)),
-        ("decode", lambda: measure_decode(worker, hf, cfg, bandwidth, profiles)),
-        ("mixed", lambda: measure_mixed(worker, cfg, profiles)),
-        ("offline", lambda: measure_offline(worker, hf, cfg)),
+        "versions": _versions(), "config": asdict(cfg), **(extra or {})}
+    log = PhaseLog(out, report, budget_s)
+    st = BenchState()
+    tag = f"{cfg.model.hidden_size}x{cfg.model.num_hidden_layers}-{cfg.dtype}-s{cfg.model.seed}"
+    shares = report.setdefault("host_share", {})
+
+    def checkpoint() -> dict[str, Any]:
+        st.folder = write_checkpoint(cfg.model, dtype, work_dir / f"llama-{tag}", device)
+        st.parity_folder = write_checkpoint(cfg.parity_model, torch.float32,
+                                            work_dir / f"parity-s{cfg.parity_model.seed}",
+                                            device)
+        return {"model": str(st.folder), "parity_model": str(st.parity_folder)}
+
+    def worker() -> dict[str, Any]:
+        start = time.perf_counter()
+        st.worker = Worker(str(st.folder), num_kv_blocks=cfg.num_kv_blocks,
+                           block_size=cfg.block_size, dtype=cfg.dtype, device=str(device))
+        report["execution"] = _execution(st.worker)
+        report["model"] = {"params": st.worker.num_params,
+                           "weight_bytes": st.worker.weight_bytes, "dtype": cfg.dtype}
+        return {"load_and_start_s": time.perf_counter() - start, **report["execution"]}
+
+    def kernels() -> dict[str, Any]:
+        from benchmarks.gpu_smoke import kernel_check
+
+        spec = cfg.model
+        return kernel_check(spec.num_attention_heads, spec.num_key_value_heads,
+                            spec.hidden_size // spec.num_attention_heads, spec.hidden_size,
+                            spec.intermediate_size, cfg.block_size, device)
+
+    def reference() -> dict[str, Any]:
+        start = time.perf_counter()
+        st.hf = load_hf(st.folder, dtype, device)
+        return {"load_s": time.perf_counter() - start, "generate_compiled": False}
+
+    def bandwidth() -> dict[str, Any]:
+        st.bandwidth = measure_memory_bandwidth(nbytes=cfg.bandwidth_bytes, warmup=2, iters=5,
+                                                device=str(device))
+        report["copy_bandwidth_bytes_s"] = st.bandwidth
+        return {"copy_bandwidth_bytes_s": st.bandwidth}
+
+    def decode() -> dict[str, Any]:
+        replays = _graph_replays(st.worker)
+        result, timings, serial = measure_decode(st.worker, st.hf, cfg, st.bandwidth,
+                                                 st.profiles)
+        shares["decode"], shares["decode_serial"] = host_share(timings), host_share(serial)
+        result["graph_replays"] = _graph_replays(st.worker) - replays
+        result["graphs_used"] = result["graph_replays"] > 0
+        report["profiles"] = st.profiles  # filled on by the later phases
+        return result
+
+    def mixed() -> dict[str, Any]:
+        result, timings = measure_mixed(st.worker, cfg, st.profiles)
+        shares["mixed"] = host_share(timings)
+        report["profiles"] = st.profiles
+        return result
+
+    def scene() -> dict[str, Any]:
+        st.hf = None  # frees its weights for the scene's long prompt
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        step_ms = _get(report, "decode", "step_ms") or _get(report, "smoke_decode", "step_ms")
+        return measure_scene(st.worker, cfg, SLO_FACTOR * (step_ms or 1.0), png)
+
+    def profiles() -> dict[str, Any]:
+        engine = BenchEngine(st.worker, "tokenflow", budget=cfg.prefill_tokens)
+        engine.add_request(_prompts(1, cfg.prefill_tokens, st.worker.vocab_size, 600)[0],
+                           SamplingParams(max_tokens=1, **GREEDY), "profile-prefill")
+        st.profiles["prefill"] = profile_step(engine, cfg.profile_top)
+        engine.run_to_completion()
+        return st.profiles
+
+    # The smoke first: the model up, its kernels checked, one timed decode (about two
+    # minutes); then the table, most important first.
+    phases: list[tuple[str, Callable[[], Any], tuple[str, ...]]] = [
+        ("checkpoint", checkpoint, ()),
+        ("worker", worker, ("checkpoint",)),
+        ("kernel_check", kernels, ()),
+        ("smoke_decode", lambda: measure_smoke_decode(st.worker, cfg), ("worker",)),
+        ("kernel_count", lambda: measure_kernel_count(cfg), ()),
+        ("parity", lambda: measure_parity(st.parity_folder, device, cfg), ("checkpoint",)),
+        ("reference", reference, ("checkpoint",)),
+        ("bandwidth", bandwidth, ()),
+        ("decode", decode, ("worker",)),
+        ("mixed", mixed, ("worker",)),
+        ("prefill", lambda: measure_prefill(st.worker, st.hf, cfg), ("worker",)),
+        ("offline", lambda: measure_offline(st.worker, st.hf, cfg), ("worker",)),
+        ("scene", scene, ("worker",)),
+        ("profiles", profiles, ("worker",)),
+        ("targets", lambda: targets(report), ()),
     ]
-    step_timings: dict[str, list[StepTiming]] = {}
-    for name, fn in phases:
-        _progress(name)
-        t = time.perf_counter()
-        result = fn()
-        if isinstance(result, tuple):
-            result, step_timings[name], *serial = result
-            if serial:  # measured both ways: the serial steps' share too
-                step_timings[f"{name}_serial"] = serial[0]
-        report[name] = result
-        wall[f"{name}_s"] = time.perf_counter() - t
-    report["host_share"] = {kind: host_share(ts) for kind, ts in step_timings.items()}
-    hf = None  # frees its weights for the scene's long prompt
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    _progress("scene")
-    t = time.perf_counter()
-    report["scene"] = measure_scene(worker, cfg, SLO_FACTOR * report["decode"]["step_ms"], png)
-    wall["scene_s"] = time.perf_counter() - t
-    _progress("prefill profile, parity")
-    engine = BenchEngine(worker, "tokenflow", budget=cfg.prefill_tokens)
-    engine.add_request(_prompts(1, cfg.prefill_tokens, worker.vocab_size, 600)[0],
-                       SamplingParams(max_tokens=1, **GREEDY), "profile-prefill")
-    profiles["prefill"] = profile_step(engine, cfg.profile_top)
-    engine.run_to_completion()
-    report["profiles"] = profiles
-    t = time.perf_counter()
-    report["parity"] = measure_parity(parity_folder, device, cfg)
-    wall["parity_s"] = time.perf_counter() - t
-    report["targets"] = targets(report)
-    wall["total_s"] = time.perf_counter() - started
-    report["wall"] = wall
+    try:
+        for name, fn, needs in phases:
+            log.run(name, fn, needs)
+    except BenchInterrupted as err:
+        log.mark_cut(err)
+        raise
+    report["wall"] = {"total_s": time.perf_counter() - log.started}
+    report["errors"] = log.errors
+    log.write()
     return report
 
 
 def _versions() -> dict[str, str | None]:
     import importlib.metadata as md
 
-    out: dict[str, str | None] = {"python": platform.python_version(), "cuda": torch.version.cuda}
-    for name in ("torch", "triton", "transformers"):
+    out: dict[str, str | None] = {"python": platform.python_version(), "cuda": torch.version.cuda,
+                                  "torch_build": torch.__version__}
+    for name in ("torch", "triton", "transformers", "numpy", "safetensors", "tokenizers"):
         try:
             out[name] = md.version(name)
         except md.PackageNotFoundError:
             out[name] = None
+    if torch.cuda.is_available():
+        out["cuda_driver"] = str(torch.cuda.driver_version()) \
+            if hasattr(torch.cuda, "driver_version") else None
+        out["device_capability"] = ".".join(map(str, torch.cuda.get_device_capability()))
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", "--tiny", action="store_true",
                         help="tiny shapes: the whole script in seconds, on any device")
@@ -662,23 +894,35 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--work-dir", type=Path, default=Path.home() / ".cache" / "tokenflow"
                         / "gpu-bench", help="where the random checkpoints are written")
     parser.add_argument("--no-png", action="store_true")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="start no phase after this many seconds (the device check's "
+                        "time limit minus the longest phase); gpu.json says what was skipped")
     args = parser.parse_args(argv)
     out = args.out or RESULTS / ("gpu_quick.json" if args.quick else "gpu.json")
     device = torch.device(args.device)
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
+    logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _interrupt)
     png = None if args.no_png else out.with_suffix(".png")
-    report = run(QUICK if args.quick else FULL, device, args.work_dir, png)
-    report["quick"] = args.quick
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    for name, entry in report["targets"].items():
+    try:
+        report = run(QUICK if args.quick else FULL, device, args.work_dir, png, out,
+                     args.budget_s, extra={"quick": args.quick})
+    except BenchInterrupted as err:
+        print(f"interrupted: {err}; {out} holds every phase that ended", flush=True)
+        return 124
+    for name, entry in report["phases"].items():
+        if entry["status"] != "ok":
+            print(f"phase {name}: {entry['status']} {entry.get('reason') or entry.get('error')}")
+    for name, entry in report.get("targets", {}).items():
         value = entry["value"]
         shown = "n/a" if value is None else f"{value:.3g}"
         print(f"{'met   ' if entry['met'] else 'MISSED'} {name}: {shown} "
               f"{entry['comparison']} {entry['target']:g}")
     print(f"wrote {out} in {report['wall']['total_s']:.0f} s")
+    return 1 if report["errors"] else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -11,6 +11,8 @@ from cluster.frontend import Frontend, Prepared, TextStream, openai_finish_reaso
 from controller.messages import Delta, FinishReason
 
 logger = logging.getLogger(__name__)
+# Aborts a request: (request id, finish reason); STOP when the edge matched a stop string.
+Abort = Callable[..., None]
 
 
 def failed_message(error: str, request_id: str) -> str:
@@ -18,7 +20,7 @@ def failed_message(error: str, request_id: str) -> str:
 
 
 async def collect(frontend: Frontend, prepared: Prepared, request_id: str,
-                  deltas: AsyncIterator[Delta], abort: Callable[[str], None]
+                  deltas: AsyncIterator[Delta], abort: Abort
                   ) -> tuple[TextStream, FinishReason | None, str | None]:
     """Run one request to its end: (text, finish reason, error). Used for non-streaming
     answers and by the remote batch runner."""
@@ -29,7 +31,8 @@ async def collect(frontend: Frontend, prepared: Prepared, request_id: str,
             if delta.error:
                 reason = FinishReason.ABORT
                 return text, reason, delta.error
-            _, reason = await advance(frontend, text, delta, lambda: abort(request_id))
+            _, reason = await advance(frontend, text, delta,
+                                    lambda: abort(request_id, FinishReason.STOP))
             if reason is not None:
                 break
     finally:
@@ -57,7 +60,7 @@ async def advance(frontend: Frontend, text: TextStream, delta: Delta,
 
 async def sse_events(frontend: Frontend, prepared: Prepared, request_id: str,
                      deltas: AsyncIterator[Delta],
-                     abort: Callable[[str], None]) -> AsyncIterator[bytes]:
+                     abort: Abort) -> AsyncIterator[bytes]:
     """Server-sent events of one request, ending in `data: [DONE]`. Chunks carry text
     deltas (and the delta's token ids with `return_token_ids`); the last one carries the
     finish reason; with `stream_options.include_usage` a usage chunk comes before [DONE]."""
@@ -82,7 +85,8 @@ async def sse_events(frontend: Frontend, prepared: Prepared, request_id: str,
                 yield p.sse(p.error_body(p.ProtocolError(
                     503, failed_message(delta.error, request_id), code="request_failed")))
                 break
-            piece, reason = await advance(frontend, text, delta, lambda: abort(request_id))
+            piece, reason = await advance(frontend, text, delta,
+                                    lambda: abort(request_id, FinishReason.STOP))
             if reason is not None:
                 reason = openai_finish_reason(text, reason)
             ids = delta.token_ids if return_ids else None

@@ -40,6 +40,7 @@ from cluster.batch_io import (
 )
 from cluster.config import TokenflowConfig, nest
 from cluster.frontend import Frontend, Prepared, TextStream
+from controller.messages import FinishReason
 
 
 @dataclass
@@ -68,7 +69,8 @@ def run_local(lines: Iterable[str], out: TextIO, config: TokenflowConfig,
             if job is None:
                 continue
             _, reason = job.stream.advance(output.new_token_ids, output.finish_reason,
-                                           partial(engine.abort, output.request_id))
+                                           partial(engine.abort, output.request_id,
+                                                   FinishReason.STOP))
             if reason is None:
                 continue
             body = frontend.response(job.prepared, output.request_id, job.stream, reason)

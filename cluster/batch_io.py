@@ -7,6 +7,7 @@ Inputs and outputs are paths or URIs on any filesystem fsspec opens (`s3://`, `g
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -146,11 +147,38 @@ def prepare_resume(location: str | Path, rewrite: bool = True) -> tuple[set[str]
             num_retry += 1
             num_dropped += 1
             continue
+        if custom_id is None and isinstance(record.get(INPUT_SHA256), str):
+            done.add(f"#{INPUT_SHA256}:{record[INPUT_SHA256]}")
         done.add(custom_id)
         kept.append(line)
     if rewrite and num_dropped:
         write_text(location, "".join(line + "\n" for line in kept))
     return done, num_retry
+
+
+# An error line for an input line that names no custom_id carries the input line's hash
+# under this key, so that a resumed run knows the line is answered (its error is written
+# once, not on every resume).
+INPUT_SHA256 = "input_sha256"
+
+
+def input_sha256(line: str) -> str:
+    return hashlib.sha256(line.strip().encode()).hexdigest()
+
+
+def line_key(line: str) -> str:
+    """What marks an input line as answered: its custom_id, else its content's hash."""
+    custom_id = _custom_id_of(line)
+    return custom_id if custom_id is not None else f"#{INPUT_SHA256}:{input_sha256(line)}"
+
+
+def error_line(custom_id: str | None, err: p.ProtocolError, line: str | None = None) -> dict:
+    """The output line answering a failed input line; one naming no custom_id carries the
+    input line's hash."""
+    record = p.batch_error_line(custom_id, err)
+    if custom_id is None and line is not None:
+        record[INPUT_SHA256] = input_sha256(line)
+    return record
 
 
 def _custom_id_of(line: str) -> str | None:
@@ -167,9 +195,9 @@ def write_line(out: TextIO, record: dict) -> None:
 
 
 def write_error(out: TextIO, custom_id: str | None, err: p.ProtocolError,
-                counts: dict[str, int]) -> None:
+                counts: dict[str, int], line: str | None = None) -> None:
     """An error line, counted as failed and by its status code (`failed_<code>`)."""
-    write_line(out, p.batch_error_line(custom_id, err))
+    write_line(out, error_line(custom_id, err, line))
     count_error(err, counts)
 
 
@@ -251,8 +279,7 @@ def take_lines(lines: Iterator[str], done_ids: set[str], max_lines: int
             break
         if not line.strip():
             continue
-        custom_id = _custom_id_of(line)
-        if custom_id is not None and custom_id in done_ids:
+        if line_key(line) in done_ids:
             num_skipped += 1
             continue
         taken.append(line)
@@ -283,7 +310,7 @@ def read_items(lines: Iterable[str], frontend: Frontend, done_ids: set[str], out
             return
         custom_id, result = prepare_line(taken[0], frontend)
         if isinstance(result, p.ProtocolError):
-            write_error(out, custom_id, result, counts)
+            write_error(out, custom_id, result, counts, taken[0])
             continue
         assert custom_id is not None  # a line that parsed names its custom_id
         yield custom_id, result

@@ -1,17 +1,22 @@
 """`tokenflow` console script.
 
-    tokenflow calibrate --model M [--itl-slo-ms X] --out budget.json [--quick]
-                        [--warmup N --iters N] [--max-tokens N] [--threads N]
+    tokenflow calibrate --model M [--itl-slo-ms X] --out budget.json [--quick] [--force]
+                        [--warmup N --iters N] [--max-tokens N] [--threads N] [--no-size]
     tokenflow calibrate --check budget.json [--tolerance X] [--warmup N --iters N]
     tokenflow dashboard push --grafana-url URL [--token T] [--file dashboards/tokenflow.json]
     tokenflow batch -i IN -o OUT [--local | --ray-data] ...   (= python -m cluster.batch)
 
 `calibrate` measures on this machine's worker device (workers/calibrate.py), fits the cost
-model and writes the budget table plus a PNG of the fit beside it (budget.png).
-`--check` repeats the table's own measurement plan and exits 1 when a quantity drifted more
-than the tolerance. Per quantity, not per point: the median ratio over the prefill points,
-over the decode points, the matmul peak, the bandwidth and the KV capacity; a single noisy
-point on a shared machine must not fail the check, a slower machine must.
+model and writes the budget table plus a PNG of the fit beside it (budget.png). It sizes its
+grid to `calibration.max_duration_s` after a pilot and prints the estimate first (not with
+`--quick`, whose grid is the automatic calibration's, nor `--no-size`); an existing `--out`
+is kept unless `--force`.
+`--check` repeats the table's own measurement plan (the same grid, samples and threads) and
+exits 1 when a quantity drifted more than the tolerance plus its noise allowance (the spread
+both runs measured, times `calibration.check_noise_factor`). Per quantity, not per point:
+the median ratio of step-time medians over the prefill points, over the decode points, the
+matmul peak, the bandwidth and the KV capacity; a noisy point on a shared machine must not
+fail the check, a slower machine must.
 `dashboard push` uploads the Grafana dashboard (same uid, overwritten); a Grafana error
 is one line on stderr and exit code 1.
 Defaults come from `TokenflowConfig` (so `TOKENFLOW_CALIBRATION__*` env variables apply).
@@ -58,6 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--matmul-size", type=int, help="GEMM edge of the peak-FLOPs probe")
     cal.add_argument("--bandwidth-bytes", type=int, help="buffer of the bandwidth probe")
     cal.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    cal.add_argument("--force", action="store_true", help="overwrite an existing --out")
+    cal.add_argument("--no-size", action="store_true", help=(
+        "measure the grid as given, however long (default: sized to "
+        "calibration.max_duration_s after a pilot, the estimate printed first)"))
+    # Listed for --help; `main` hands `tokenflow batch ...` to cluster.batch's own parser.
+    sub.add_parser("batch", add_help=False, help=(
+        "batch inference over an OpenAI Batch file (tokenflow batch --help for its options)"))
     dash = sub.add_parser("dashboard", help="the Grafana ops dashboard")
     dash_sub = dash.add_subparsers(dest="action", required=True)
     push = dash_sub.add_parser("push", help="upload dashboards/tokenflow.json (overwrite)")
@@ -88,10 +100,16 @@ def make_spec(args: argparse.Namespace, cfg: TokenflowConfig) -> Any:
         threads=args.threads or max(int(cfg.cluster.worker_num_cpus), 1))
 
 
-def measure(spec: Any, cfg: TokenflowConfig, itl_slo_ms: float, progress: bool) -> BudgetTable:
-    from workers.calibrate import Calibrator
+def measure(spec: Any, cfg: TokenflowConfig, itl_slo_ms: float, progress: bool,
+            sized: bool = False) -> BudgetTable:
+    """`spec` measured and fitted; `sized`: cut to calibration.max_duration_s first."""
+    from workers.calibrate import Calibrator, GridSizing
 
-    measured = Calibrator(spec, progress=progress).run()
+    cal = cfg.calibration
+    sizing = GridSizing(cal.max_duration_s, cal.min_iters, cal.min_chunk_sizes) \
+        if sized else None
+    measured = Calibrator(spec, progress=progress, sizing=sizing,
+                          report=lambda line: print(line, flush=True)).run()
     return BudgetTable.fitted(measured, dataclasses.replace(cfg.budget_fit(),
                                                             itl_slo_ms=itl_slo_ms))
 
@@ -102,11 +120,12 @@ def _symmetric(new: float, old: float) -> float:
 
 
 def drift_report(old: BudgetTable, new: BudgetTable) -> dict[str, float]:
-    """Symmetric drift per measured quantity (0.1 = 10 % faster or slower)."""
+    """Symmetric drift per measured quantity (0.1 = 10 % faster or slower). Step times by
+    their medians: a stolen-time burst moves a mean, not a median."""
     report: dict[str, float] = {}
     for kind, key in (("prefill", ("tokens", "context")), ("decode", ("batch", "context"))):
-        before = {tuple(p[k] for k in key): p["mean_s"] for p in old.data[kind]}
-        ratios = [p["mean_s"] / before[tuple(p[k] for k in key)] for p in new.data[kind]
+        before = {tuple(p[k] for k in key): p["median_s"] for p in old.data[kind]}
+        ratios = [p["median_s"] / before[tuple(p[k] for k in key)] for p in new.data[kind]
                   if tuple(p[k] for k in key) in before]
         report[f"{kind}_time"] = _symmetric(statistics.median(ratios), 1.0) if ratios \
             else float("inf")
@@ -114,6 +133,20 @@ def drift_report(old: BudgetTable, new: BudgetTable) -> dict[str, float]:
                          ("kv", "capacity_tokens")):
         report[key] = _symmetric(new.data[section][key], old.data[section][key])
     return report
+
+
+def allowed_drift(old: BudgetTable, new: BudgetTable, tolerance: float,
+                  noise_factor: float) -> dict[str, float]:
+    """Per quantity: `tolerance` plus `noise_factor` times the larger spread either run
+    measured for it (a table without its noise gets the tolerance alone). KV capacity is
+    computed, not timed: no allowance."""
+    noises = [t.data.get("noise") or {} for t in (old, new)]
+    allowed = {}
+    for name in ("prefill_time", "decode_time", "peak_flops", "memory_bandwidth",
+                 "capacity_tokens"):
+        spread = max(n.get(name, 0.0) for n in noises)
+        allowed[name] = tolerance + noise_factor * spread
+    return allowed
 
 
 def run_check(args: argparse.Namespace, cfg: TokenflowConfig) -> int:
@@ -129,18 +162,25 @@ def run_check(args: argparse.Namespace, cfg: TokenflowConfig) -> int:
     new = measure(spec, cfg, old.data["recommendation"]["itl_slo_ms"], not args.no_progress)
     tolerance = args.tolerance if args.tolerance is not None else cfg.calibration.check_tolerance
     report = drift_report(old, new)
+    allowed = allowed_drift(old, new, tolerance, cfg.calibration.check_noise_factor)
     for name, drift in report.items():
-        verdict = "DRIFT" if drift > tolerance else "ok"
-        print(f"{name:18s} {drift * 100:8.1f} %  {verdict}")
-    drifted = [n for n, d in report.items() if d > tolerance]
-    print(f"tolerance {tolerance * 100:.1f} %: " + (f"drifted: {', '.join(drifted)}"
-                                                    if drifted else "no drift"))
+        verdict = "DRIFT" if drift > allowed[name] else "ok"
+        print(f"{name:18s} {drift * 100:8.1f} %  allowed {allowed[name] * 100:5.1f} %  "
+              f"{verdict}")
+    drifted = [n for n, d in report.items() if d > allowed[n]]
+    print(f"tolerance {tolerance * 100:.1f} % + noise x {cfg.calibration.check_noise_factor:g}"
+          f": " + (f"drifted: {', '.join(drifted)}" if drifted else "no drift"))
     return 1 if drifted else 0
 
 
 def run_calibrate(args: argparse.Namespace, cfg: TokenflowConfig) -> int:
+    if args.out.exists() and not args.force:
+        print(f"tokenflow calibrate: {args.out} exists; pass --force to overwrite it, or "
+              f"--out another path", file=sys.stderr)
+        return 2
     slo = args.itl_slo_ms if args.itl_slo_ms is not None else cfg.calibration.itl_slo_ms
-    table = measure(make_spec(args, cfg), cfg, slo, not args.no_progress)
+    table = measure(make_spec(args, cfg), cfg, slo, not args.no_progress,
+                    sized=not args.quick and not args.no_size)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     validate_budget(table.data)  # what a later load accepts
     table.save(args.out)

@@ -21,7 +21,14 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from cluster.batch_config import BatchConfig
@@ -63,7 +70,17 @@ class CalibrationConfig(BaseModel):
     budget_file: Path | None = Field(None, description=(
         "Budget table written by `tokenflow calibrate`. When set, "
         "scheduler.max_num_batched_tokens comes from its recommendation for itl_slo_ms "
-        "(the table wins) and its cost model sizes each chunk under the SLO."))
+        "unless that is set explicitly, and its cost model sizes each chunk under the SLO. "
+        "A table measured for another model is refused (see allow_other_model)."))
+    explicit_budget: bool | None = Field(None, description=(
+        "Whether scheduler.max_num_batched_tokens was set (keyword, serve.yaml args, "
+        "environment) rather than defaulted: then it is the step budget, and neither the "
+        "automatic calibration nor a budget file's recommendation replaces it. None: found "
+        "when the configuration is built (a dump carries the answer, so a rebuilt one "
+        "agrees)."))
+    allow_other_model: bool = Field(False, description=(
+        "Use a budget_file measured for another model than worker.model (its budget and "
+        "cost model are that model's: for experiments only). False: refused at start."))
     auto: bool = Field(True, description=(
         "Without budget_file: before serving, worker 0 (the in-process worker of a local "
         "engine) loads the budget table of its model, device, dtype, threads, block size "
@@ -118,8 +135,23 @@ class CalibrationConfig(BaseModel):
     memory_fraction: float = Field(0.9, gt=0, le=1, description=(
         "Share of the device's total memory that weights plus KV blocks may take."))
     check_tolerance: float = Field(0.10, gt=0, description=(
-        "`tokenflow calibrate --check` fails when a quantity drifted more than this "
-        "(symmetric: max(new/old, old/new) - 1) from the table."))
+        "`tokenflow calibrate --check` fails when a quantity drifted more than this plus "
+        "its allowance for noise (symmetric: max(new/old, old/new) - 1) from the table."))
+    check_noise_factor: float = Field(2.0, ge=0, description=(
+        "The noise allowance of `--check`: this many times the larger of the two runs' "
+        "measured spread of a quantity (the relative interquartile range of its samples, "
+        "median over points), added to check_tolerance."))
+    max_duration_s: float = Field(150.0, gt=0, description=(
+        "`tokenflow calibrate` (not --quick, not --check) sizes its grid to finish the "
+        "sweep in about this long on this device: after a pilot it lowers iters to "
+        "min_iters and warmup to 1, then drops the largest chunk sizes (keeping "
+        "min_chunk_sizes) and the deepest contexts (keeping one) until the estimate fits. "
+        "The estimate is printed before the sweep."))
+    min_iters: int = Field(10, ge=1, description=(
+        "Fewest runs kept per point when the grid is sized to max_duration_s."))
+    min_chunk_sizes: int = Field(3, ge=2, description=(
+        "Fewest prefill chunk sizes kept when the grid is sized to max_duration_s (the fit "
+        "needs several)."))
 
 
 class ApiKey(BaseModel):
@@ -296,15 +328,36 @@ class TokenflowConfig(BaseSettings):
         check_env()
         super().__init__(**data)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _find_explicit_budget(cls, data: Any) -> Any:
+        # Runs on the arguments merged with the environment (pydantic-settings' sources).
+        if not isinstance(data, dict):
+            return data
+        cal = data.get("calibration")
+        if isinstance(cal, CalibrationConfig):
+            cal = cal.model_dump()
+        cal = dict(cal or {})
+        if cal.get("explicit_budget") is None:
+            cal["explicit_budget"] = sets_budget(data.get("scheduler"))
+        return {**data, "calibration": cal}
+
+    @property
+    def budget_is_explicit(self) -> bool:
+        return bool(self.calibration.explicit_budget)
+
     def budget_table(self) -> BudgetTable | None:
         """The budget file's table, or None. The automatic table is not made here (this
         process may be a driver or an ingress on another device): see `auto_budget`."""
         cal = self.calibration
         if cal.budget_file is None:
             return None
-        from workers.budget_file import load_budget_table
+        from workers.budget_file import check_model, load_budget_table
 
-        return load_budget_table(cal.budget_file)
+        table = load_budget_table(cal.budget_file)
+        if not cal.allow_other_model:
+            check_model(table, self.worker.model, str(cal.budget_file))
+        return table
 
     def calibration_grid(self) -> CalibrationGrid:
         """What `tokenflow calibrate` measures by default (`.quick()`: `--quick`)."""
@@ -328,7 +381,7 @@ class TokenflowConfig(BaseSettings):
         """The short calibration worker 0 loads or runs at start (calibration.auto without
         a budget file), or None."""
         cal = self.calibration
-        if cal.budget_file is not None or not cal.auto:
+        if cal.budget_file is not None or not cal.auto or self.budget_is_explicit:
             return None
         return AutoBudget(grid=self.calibration_grid().quick(), tile_tokens=cal.tile_tokens,
                           fit=self.budget_fit(),
@@ -338,7 +391,7 @@ class TokenflowConfig(BaseSettings):
         """A copy of `scheduler` (the comparison policies mutate theirs) with the budget
         table's recommendation applied (the table wins); chunks are then sized per step
         by its cost model, not by one fixed size."""
-        if table is None:
+        if table is None or self.budget_is_explicit:
             return dataclasses.replace(self.scheduler)
         return budgeted_scheduler(self.scheduler, table, self.budget_fit(), self.cache)
 
@@ -352,8 +405,23 @@ class TokenflowConfig(BaseSettings):
             cluster=self.cluster, recovery=self.recovery, journal=self.journal,
             auto_budget=self.auto_budget())
         table = self.budget_table()
-        return options if table is None else options.with_budget_table(table,
-                                                                       self.budget_fit())
+        if table is None:
+            return options
+        # The table's cost model either way; its budget only when none was set explicitly.
+        return dataclasses.replace(options.with_budget_table(table, self.budget_fit()),
+                                   scheduler=self.scheduler_config(table))
+
+
+BUDGET_FIELD = "max_num_batched_tokens"
+
+
+def sets_budget(scheduler: Any) -> bool:
+    """Whether a `scheduler` argument (a mapping or a SchedulerConfig) sets the budget."""
+    if isinstance(scheduler, dict):
+        return BUDGET_FIELD in scheduler
+    if isinstance(scheduler, SchedulerConfig):
+        return scheduler.max_num_batched_tokens != SchedulerConfig().max_num_batched_tokens
+    return False
 
 
 def nest(dotted: dict[str, Any]) -> dict[str, dict[str, Any]]:

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 from cluster.config import EdgeConfig
 from controller.backoff import Backoff
-from controller.messages import Ack, Delta, SamplingParams
+from controller.messages import Ack, Delta, FinishReason, SamplingParams
 from controller.request_metrics import MetricsSnapshot
 
 logger = logging.getLogger(__name__)
@@ -44,7 +44,9 @@ class ControllerClient(Protocol):
         QueueFullError or ValueError when the controller refuses it."""
         ...
 
-    def abort(self, request_id: str) -> None: ...
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> None:
+        """End a request where it runs; STOP: a stop string matched at the edge."""
+        ...
 
     async def metrics_snapshot(self) -> MetricsSnapshot: ...
 
@@ -87,11 +89,11 @@ class RayControllerClient:
         # Fire and forget: counting must never delay or fail the refusal itself.
         contextvars.Context().run(self.handle.record_rejection.remote, kind)
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> None:
         # Fire and forget: this runs in `finally` blocks of cancelled tasks, which must not
         # await. Submitted from a fresh context: in the cancelled request's own context Ray
         # would count the call as a child of the cancelled task and cancel it too.
-        contextvars.Context().run(self.handle.abort.remote, request_id)
+        contextvars.Context().run(self.handle.abort.remote, request_id, reason)
 
     async def submit(self, prompt_token_ids: list[int], params: SamplingParams,
                      request_id: str, priority: int, tenant: str

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from controller.budget import BudgetTable
 from controller.core import ControllerCore
 from controller.gc_freeze import freeze_long_lived
-from controller.messages import RequestOutput, SamplingParams, StepPlan, StepResult
+from controller.messages import FinishReason, RequestOutput, SamplingParams, StepPlan, StepResult
 from controller.step_loop import StepLoop
 
 if TYPE_CHECKING:  # pydantic stays out of importers that bring their own engine (gpu_bench)
@@ -75,8 +75,8 @@ class LocalEngine:
         request = self.core.add_request(prompt_token_ids, params, request_id, priority, tenant)
         return request.request_id
 
-    def abort(self, request_id: str) -> None:
-        out = self.core.abort(request_id)
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> None:
+        out = self.core.abort(request_id, reason)
         if out is not None:
             self._pending[request_id].append(out)
 

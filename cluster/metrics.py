@@ -109,10 +109,11 @@ def metric_families(snap: MetricsSnapshot, config: MetricsConfig,
             ("request_queue_time_seconds", "Arrival to the first step that scheduled the "
              "request.", req.queue_time_s)):
         f.histogram(name, doc).add_metric([], _buckets(hist), hist.total)
-    success = f.counter("request_success", "Finished requests by finish reason (a stop "
-                        "string matched at the edge finishes as abort here).",
-                        ["finished_reason"])
-    for reason in sorted({"stop", "length", "abort", *req.finished_reason_to_count}):
+    success = f.counter("request_success", "Finished requests by finish reason: stop (EOS, "
+                        "a stop token or string), length, abort (the client went away, a "
+                        "protection), error (the request failed).", ["finished_reason"])
+    for reason in sorted({"stop", "length", "abort", "error",
+                          *req.finished_reason_to_count}):
         success.add_metric([reason], req.finished_reason_to_count.get(reason, 0))
     f.counter("prompt_tokens", "Prompt tokens of requests that produced a first token."
               ).add_metric([], req.num_prompt_tokens)

@@ -25,6 +25,7 @@ from cluster.batch_io import (
     Progress,
     count_answer,
     count_error,
+    error_line,
     new_counts,
     prepare_line,
     take_lines,
@@ -107,8 +108,9 @@ async def _run(server: Any, lines: Iterator[str], out: TextIO, done_ids: set[str
     async def write(record: dict[str, Any]) -> None:
         await loop.run_in_executor(writer, write_line, out, record)
 
-    async def fail(custom_id: str | None, err: p.ProtocolError) -> None:
-        await write(p.batch_error_line(custom_id, err))
+    async def fail(custom_id: str | None, err: p.ProtocolError, line: str | None = None
+                   ) -> None:
+        await write(error_line(custom_id, err, line))
         count_error(err, counts)
 
     async def run_one(custom_id: str, prepared: Prepared) -> None:
@@ -139,9 +141,9 @@ async def _run(server: Any, lines: Iterator[str], out: TextIO, done_ids: set[str
             # Prepared in parallel, handled in input order: error lines keep their order.
             results = await asyncio.gather(*(server.in_pool(prepare_line, line, frontend)
                                              for line in taken))
-            for custom_id, result in results:
+            for line, (custom_id, result) in zip(taken, results, strict=True):
                 if isinstance(result, p.ProtocolError):
-                    await fail(custom_id, result)
+                    await fail(custom_id, result, line)
                     continue
                 assert custom_id is not None  # a line that parsed names its custom_id
                 await slots.acquire()  # bounded in flight: the next read waits for capacity

@@ -7,7 +7,13 @@ process owns it (it lives exactly as long as the server) and a broken model fail
 instead of on the first request. It then watches the service: restarts of workers and of
 the controller are pauses, but when the service has not been healthy for
 `cluster.give_up_after_s` (or the controller is gone for good) it exits non-zero, so that a
-supervisor (systemd, Kubernetes) restarts it. SIGTERM and Ctrl-C shut Serve and Ray down.
+supervisor (systemd, Kubernetes) restarts it. SIGTERM and Ctrl-C shut Serve and Ray down
+and exit 0 (under `make serve`, make itself then reports the signal: 143; a supervisor runs
+this module directly). Start-up prints the step budget in use and why (`describe_budget`).
+
+`--ray-address HOST:PORT` joins a running Ray head instead of starting a local Ray (a batch
+job submitted to that head then finds this server's controller); on the way out the app is
+deleted and the controller removes its workers, since the head outlives this process.
 
 Loopback by default: HTTP on 127.0.0.1 (`--host` to change it; 0.0.0.0 without API keys
 warns), and Ray's node address, agents and metrics export on 127.0.0.1. Ray's own gRPC
@@ -20,7 +26,9 @@ TOKENFLOW_API_KEYS; they reach the ingress through the environment, never its ar
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ipaddress
+import logging
 import math
 import os
 import signal
@@ -47,6 +55,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "TENANT and the priority range MIN..MAX are the key's")
     ap.add_argument("--num-workers", type=int, help="CPU worker actors (no GPU present)")
     ap.add_argument("--served-model-name", help="name clients pass as `model`")
+    ap.add_argument("--ray-address", help=(
+        "join this running Ray cluster (HOST:PORT of a `ray start --head`) instead of "
+        "starting a local one; a batch job submitted to that head then uses this server's "
+        "controller"))
     ap.add_argument("--no-calibrate", action="store_true", help=(
         "fixed budgets: no budget table loaded or measured at start (calibration.auto)"))
     return ap.parse_args(argv)
@@ -88,19 +100,42 @@ def ray_num_cpus(config: TokenflowConfig) -> int:
     return max(os.cpu_count() or 1, math.ceil(need))
 
 
-def describe_budget(budget: dict[str, Any]) -> str:
-    """Where the step budget came from, in one line (`model_info()["budget"]`)."""
+def describe_budget(budget: dict[str, Any], config: TokenflowConfig | None = None) -> str:
+    """Where the step budget came from and why, in one line (`model_info()["budget"]`;
+    `config`: the one the controller was started with, which says what was explicit)."""
     tokens, source = budget["max_num_batched_tokens"], budget["source"]
+    if config is not None and config.budget_is_explicit:
+        line = (f"step budget {tokens} tokens: set explicitly "
+                f"(scheduler.max_num_batched_tokens), so no automatic calibration")
+        if source == "file":
+            line += (f"; the budget file {config.calibration.budget_file} sizes chunks "
+                     f"under the ITL SLO, its recommended budget is not used")
+        return line
     if source == "measured":
-        return (f"step budget {tokens} tokens: measured on worker 0 ({budget['device_name']}, "
-                f"{budget['threads']} threads) in {budget['measure_s']:.1f} s, cached in "
-                f"{budget['path']}")
+        device = budget["device_name"]
+        if "thread" not in device:  # a CPU's name says its threads already
+            device += f", {budget['threads']} threads"
+        return (f"step budget {tokens} tokens: measured on worker 0 ({device}) in "
+                f"{budget['measure_s']:.1f} s, cached in {budget['path']}")
     if source == "cache":
         return f"step budget {tokens} tokens: worker 0's cached table {budget['path']}"
     if source == "file":
-        return f"step budget {tokens} tokens: the budget file (calibration.budget_file)"
+        where = f" {config.calibration.budget_file}" if config is not None else ""
+        return (f"step budget {tokens} tokens: the budget file{where} "
+                f"(calibration.budget_file), its recommendation for the ITL SLO")
     why = f" (the budget table failed: {budget['error']})" if "error" in budget else ""
     return f"step budget {tokens} tokens: fixed (scheduler.max_num_batched_tokens){why}"
+
+
+class _DropMessage(logging.Filter):
+    """Drops one logger's records that start with `prefix` (start-up noise we caused)."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefix)
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:
@@ -159,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     config = config_from_args(args)
     try:
         num_keys = export_api_keys(args.api_key) + len(config.edge.api_keys)
+        options = config.controller_options()  # a budget file for another model fails here
     except ValueError as err:
         print(f"tokenflow: {err}", file=sys.stderr)
         return 2
@@ -166,27 +202,34 @@ def main(argv: list[str] | None = None) -> int:
         print(f"WARNING: serving on {config.cluster.host} without API keys: anyone who can "
               f"reach this port can use the model; set --api-key or {API_KEYS_ENV}",
               file=sys.stderr, flush=True)
-    # address="local": never join (or be confused by) another cluster; the default Redis
-    # port 6379 may be taken on this machine, ray.init picks free ports itself.
-    ray.init(address="local", num_cpus=ray_num_cpus(config), _node_ip_address="127.0.0.1",
-             include_dashboard=False, namespace=config.cluster.namespace)
+    if args.ray_address:  # a shared cluster: its resources and addresses are its own
+        ray.init(address=args.ray_address, namespace=config.cluster.namespace)
+    else:
+        # address="local": never join (or be confused by) another cluster; the default
+        # Redis port 6379 may be taken on this machine, ray.init picks free ports itself.
+        ray.init(address="local", num_cpus=ray_num_cpus(config), _node_ip_address="127.0.0.1",
+                 include_dashboard=False, namespace=config.cluster.namespace)
+    controller = None
     # Explicit handlers, installed after ray.init (whose own SIGTERM handler would abort
     # the process): a shell starts background jobs with SIGINT ignored, and SIGTERM
     # (docker stop, systemd) should shut Serve and Ray down as cleanly as Ctrl-C.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _interrupt)
     try:
-        controller = get_or_create_controller(config.controller_options())
+        controller = get_or_create_controller(options)
         if config.auto_budget() is not None:  # the controller logs its progress every 10 s
             print("starting: worker 0 loads its step budget table from the cache or, on a "
                   "first start, measures it (a short run)", flush=True)
         info = ray.get(controller.model_info.remote())
         serve.start(http_options={"host": config.cluster.host, "port": config.cluster.port})
+        # serve.run finds the Serve instance started just above and says so at INFO, which
+        # on a fresh start reads as if another server were running.
+        logging.getLogger("ray.serve").addFilter(_DropMessage("Connecting to existing Serve"))
         serve.run(build_app(config.model_dump()), name="tokenflow", route_prefix="/")
         url = f"http://{config.cluster.host}:{config.cluster.port}"
         print(f"tokenflow serving {config.worker.model_name} with {info['num_workers']} worker(s) "
               f"on {', '.join(info['devices'])}", flush=True)
-        print(describe_budget(info["budget"]), flush=True)
+        print(describe_budget(info["budget"], config), flush=True)
         print(f"OpenAI API at {url}/v1  (health: {url}/health)  Ctrl-C stops", flush=True)
         cluster = config.cluster
         reason = watch_health(lambda: _ping(controller, cluster.ready_wait_s),
@@ -198,7 +241,15 @@ def main(argv: list[str] | None = None) -> int:
         print("stopping", file=sys.stderr)
         return 0
     finally:
-        serve.shutdown()
+        # The app is deleted (its replicas drain) and Ray stops with everything else: the
+        # local cluster is this process's. Not serve.shutdown(): it kills Serve's
+        # controller under its own graceful_shutdown call, which Ray logs as a failed task.
+        with contextlib.suppress(Exception):  # Serve may never have started
+            serve.delete("tokenflow")
+        if args.ray_address and controller is not None:
+            # A joined cluster outlives this process: its detached workers must not.
+            with contextlib.suppress(Exception):
+                ray.get(controller.shutdown.remote(), timeout=60)
         ray.shutdown()
 
 

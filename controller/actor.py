@@ -41,7 +41,7 @@ import ray
 from controller.core import ControllerCore
 from controller.gc_freeze import freeze_long_lived
 from controller.journal import Journal
-from controller.messages import Ack, DeltaBatch, SamplingParams
+from controller.messages import Ack, DeltaBatch, FinishReason, SamplingParams
 from controller.options import ControllerOptions
 from controller.request import Request
 from controller.request_metrics import QUEUE_FULL, MetricsSnapshot
@@ -209,16 +209,17 @@ class ControllerActor:
         return {request_id: self.streams.resume_stream(core, sub, request_id, num_delivered)
                 for request_id, num_delivered in request_to_num_tokens.items()}
 
-    async def abort(self, request_id: str) -> bool:
+    async def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
         """Abort a queued or running request; its blocks are released at once and the
-        worker is told on its next step. False when the request is unknown or finished."""
+        worker is told on its next step. False when the request is unknown or finished.
+        `reason` STOP: the edge matched a stop string (it finishes, and counts, as stop)."""
         await self._started()
-        return self._abort(request_id)
+        return self._abort(request_id, reason)
 
-    def _abort(self, request_id: str) -> bool:
+    def _abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
         assert self.core is not None
         worker = self.core.request_to_worker.get(request_id)
-        out = self.core.abort(request_id)
+        out = self.core.abort(request_id, reason)
         if out is None or worker is None:
             return False
         self.num_aborted += 1

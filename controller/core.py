@@ -20,6 +20,7 @@ from controller.budget import StepCost
 from controller.flow import FlowControl
 from controller.messages import (
     CacheEvict,
+    FinishReason,
     RequestOutput,
     SamplingParams,
 )
@@ -160,15 +161,19 @@ class ControllerCore(Routing, Stepping):
         self.request_to_worker[request.request_id] = worker
         return worker
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """Finish a request as aborted; its blocks are released now (their `cache_evict`
-        reaches flow control before the worker's next plan)."""
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT
+              ) -> RequestOutput | None:
+        """Finish a request as aborted (or, `reason` STOP, as stopped by a stop string the
+        edge matched); its blocks are released now (their `cache_evict` reaches flow
+        control before the worker's next plan)."""
         worker = self.request_to_worker.pop(request_id, None)
         if worker is None:
             return None
         state = self.workers[worker]
         state.protections.forget(request_id)  # its prefill timing would linger
-        out = state.scheduler.abort_request(request_id)
+        status = RequestStatus.FINISHED_STOPPED if reason == FinishReason.STOP \
+            else RequestStatus.FINISHED_ABORTED
+        out = state.scheduler.abort_request(request_id, status)
         self._queue_evicts(state)
         return out
 

@@ -62,7 +62,8 @@ class ProtectionConfig:
     max_slow_log: int = setting(256, ge=1, description=(
         "Entries kept in the slow-request log (the oldest go first)."))
     deviation_log_every: int = setting(100, ge=1, description=(
-        "Budget deviations are logged once per this many (all are counted)."))
+        "Budget deviations are logged once per this many, from the this-many-th on (all "
+        "are counted; a cold first chunk alone is not worth a warning)."))
     refit_window: int = setting(16, ge=2, description=(
         "Online refit: the last this many steps that carried prefill chunks are kept (their "
         "shape and time: bounded memory); when refit_deviating_share of them are off the "
@@ -144,10 +145,11 @@ class Protections:
             off = abs(charged - budgeted) / budgeted
             if off > self.config.deviation_threshold:
                 self.stats.num_deviations += 1
-                # A stale budget table deviates on every chunk: warn on the first and then
-                # every `deviation_log_every`-th, the counter has the rest.
+                # A stale budget table deviates on every chunk: warn on every
+                # `deviation_log_every`-th, the counter has the rest. Not on the first: a
+                # worker's first chunks are cold (allocation, first kernels), not a sign.
                 log = logger.warning if self.stats.num_deviations % \
-                    self.config.deviation_log_every == 1 else logger.debug
+                    self.config.deviation_log_every == 0 else logger.debug
                 log("chunk %s#%d took %.4fs, budget model says %.4fs (%.0f%% off)",
                     event.request_id, event.chunk_index, charged, budgeted, 100 * off)
         limit = self.chunk_timeout_s(event.chunk_index)

@@ -87,7 +87,10 @@ class RequestMetrics:
             self.num_generation_tokens += num_new
         if out.finished:
             del self._timings[out.request_id]
-            reason = out.finish_reason.value if out.finish_reason is not None else "abort"
+            # As the consumer sees it: a failed request (an error delta) is an error, not
+            # the abort it is to the scheduler.
+            reason = "error" if out.error else \
+                out.finish_reason.value if out.finish_reason is not None else "abort"
             self.finished_reason_to_count[reason] = \
                 self.finished_reason_to_count.get(reason, 0) + 1
             self.e2e_s.observe(now - request.arrival_time)

@@ -88,11 +88,15 @@ class Scheduler(SchedulerResults):
         self.requests[request.request_id] = request
         self.waiting[request.request_id] = request
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
+    def abort_request(self, request_id: str,
+                      status: RequestStatus = RequestStatus.FINISHED_ABORTED
+                      ) -> RequestOutput | None:
+        """End a request where it stands. `status`: how it counts; a stop string matched
+        at the edge ends it as FINISHED_STOPPED, not as an abort."""
         request = self.requests.get(request_id)
         if request is None:
             return None
-        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        self._finish(request, status)
         return self._output(request, [])
 
     def detach_request(self, request_id: str) -> Request | None:

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from controller.budget import SCHEMA_VERSION, AutoBudget, AutoBudgetResult, BudgetFit, BudgetTable
-from workers.calibrate import CalibrationSpec, Calibrator
+from workers.calibrate import CalibrationSpec, Calibrator, model_config_sha256
 from workers.worker import Worker
 
 logger = logging.getLogger("tokenflow.calibration")
@@ -131,10 +131,7 @@ def device_name(device: torch.device) -> str:
 
 def worker_identity(worker: Worker) -> dict[str, str]:
     """What the spec does not say about the worker and what changes its step times."""
-    config = Path(worker.model_path) / "config.json"
-    config_bytes = config.read_bytes() if config.is_file() else \
-        repr(worker.model_config).encode()
-    return {"model_config_sha256": hashlib.sha256(config_bytes).hexdigest(),
+    return {"model_config_sha256": model_config_sha256(worker),
             "device_name": device_name(worker.device),
             "attention_backend": type(worker.backend).__name__,
             "cuda_graphs": str(worker.graphs is not None),

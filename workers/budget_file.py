@@ -9,6 +9,7 @@ fields; `schema_version` changes when a listed one changes).
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -143,6 +144,16 @@ class Recommendation(_Part):
     limited_by: str
 
 
+class Noise(_Part):
+    """Relative spread (interquartile range / median) of each quantity `--check` compares:
+    the median over points for step times, over runs for the probes."""
+
+    prefill_time: NonNeg
+    decode_time: NonNeg
+    peak_flops: NonNeg
+    memory_bandwidth: NonNeg
+
+
 class BudgetFile(_Part):
     schema_version: Literal[SCHEMA_VERSION]  # type: ignore[valid-type]
     created_unix: NonNeg
@@ -157,6 +168,10 @@ class BudgetFile(_Part):
     limits: Limits
     table: list[BindingRow]
     recommendation: Recommendation
+    # The measured model's config.json hash (absent in older tables): the same model under
+    # another path is still the same model.
+    model_config_sha256: str | None = None
+    noise: Noise | None = None  # absent in older tables: no allowance beyond the tolerance
 
 
 def validate_budget(data: Any, source: str = "budget table") -> None:
@@ -169,6 +184,35 @@ def validate_budget(data: Any, source: str = "budget table") -> None:
             f" (got {err['input']!r:.60})" for err in exc.errors())
         raise ValueError(f"{source} is not a budget table of schema version "
                          f"{SCHEMA_VERSION}: {problems}") from None
+
+
+def _config_sha256(model: str) -> str | None:
+    config = Path(model) / "config.json"
+    return hashlib.sha256(config.read_bytes()).hexdigest() if config.is_file() else None
+
+
+def is_same_model(measured: str, measured_sha256: str | None, model: str) -> bool:
+    """Whether a table measured for `measured` (config.json hash `measured_sha256`) is
+    `model`'s: the same name or folder, or a folder here with the same config.json."""
+    if measured == model:
+        return True
+    if Path(measured).is_dir() and Path(model).is_dir() \
+            and Path(measured).resolve() == Path(model).resolve():
+        return True
+    return measured_sha256 is not None and _config_sha256(model) == measured_sha256
+
+
+def check_model(table: BudgetTable, model: str, source: str = "budget table") -> None:
+    """Raise ValueError when `table` was measured for another model than `model`: its
+    budget and cost model would be another model's, silently."""
+    measured = table.data["spec"]["model"]
+    if is_same_model(measured, table.data.get("model_config_sha256"), model):
+        return
+    raise ValueError(
+        f"{source} was measured for model {measured!r}, but this runs {model!r}: its step "
+        f"budget and cost model are the other model's. Measure this one (tokenflow "
+        f"calibrate --model {model} --out FILE), or set calibration.allow_other_model=true "
+        f"(TOKENFLOW_CALIBRATION__ALLOW_OTHER_MODEL=true) to use it anyway")
 
 
 def load_budget_table(path: str | Path) -> BudgetTable:

@@ -21,19 +21,22 @@ never timed.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import math
 import os
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from controller.budget import SCHEMA_VERSION, CalibrationGrid
 from controller.messages import CachedRequestData, NewRequestData, SamplingParams, StepPlan
-from workers.hardware import measure_matmul_peak_flops, measure_memory_bandwidth
+from workers.hardware import bandwidth_runs, matmul_flops_runs
 from workers.worker import Worker
 
 INT64_MAX, INT32_MAX = 2**63 - 1, 2**31 - 1
@@ -83,6 +86,14 @@ class CalibrationSpec:
         return max(_blocks(max_len, self.block_size), decode_blocks, 2)
 
 
+def model_config_sha256(worker: Worker) -> str:
+    """The model's identity: its config.json's hash (a budget table is for this model)."""
+    config = Path(worker.model_path) / "config.json"
+    config_bytes = config.read_bytes() if config.is_file() else \
+        repr(worker.model_config).encode()
+    return hashlib.sha256(config_bytes).hexdigest()
+
+
 def tile_grid(unit: int, max_tokens: int) -> tuple[int, ...]:
     """unit, 2*unit, 4*unit, ... up to max_tokens: the chunk sizes measured."""
     sizes, size = [], unit
@@ -96,15 +107,89 @@ def _blocks(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 
 
+def prefill_points(spec: CalibrationSpec, max_model_len: int) -> list[tuple[int, int]]:
+    return [(t, c) for c in spec.contexts for t in spec.prefill_tokens if t + c <= max_model_len]
+
+
+def decode_points(spec: CalibrationSpec) -> list[tuple[int, int]]:
+    return [(b, c) for c in spec.decode_contexts for b in spec.decode_batches]
+
+
+@dataclass(frozen=True)
+class GridSizing:
+    """How `tokenflow calibrate` sizes its grid to the device (`calibration:` fields of
+    the same names): the sweep should take about `max_duration_s`."""
+
+    max_duration_s: float
+    min_iters: int
+    min_chunk_sizes: int
+
+
+@dataclass(frozen=True)
+class StepGuess:
+    """A step's seconds predicted from the pilot runs: base + per token + per query-key
+    pair. Only for sizing the grid and the estimate; the table is fitted on the sweep."""
+
+    base_s: float
+    token_s: float
+    pair_s: float
+
+    def prefill_s(self, tokens: int, context: int) -> float:
+        pairs = tokens * context + tokens * (tokens + 1) // 2
+        return self.base_s + self.token_s * tokens + self.pair_s * pairs
+
+    def decode_s(self, batch: int, context: int) -> float:
+        return self.base_s + self.token_s * (batch - 1) + self.pair_s * batch * (context + 1)
+
+    def sweep_s(self, spec: CalibrationSpec, max_model_len: int) -> float:
+        """The sweep: every prefill point once to admit it, then every point every round."""
+        rounds = spec.warmup + spec.iters
+        prefill = sum(self.prefill_s(t, c) for t, c in prefill_points(spec, max_model_len))
+        decode = sum(self.decode_s(b, c) for b, c in decode_points(spec))
+        return prefill * (rounds + 1) + decode * rounds
+
+
+def size_grid(spec: CalibrationSpec, guess: StepGuess, max_model_len: int,
+              sizing: GridSizing, budget_s: float) -> CalibrationSpec:
+    """`spec` cut until `guess` says its sweep fits `budget_s`: fewer samples first (iters
+    down to `min_iters`, one warm-up round), then the largest chunk sizes, then the
+    deepest contexts. Never below `min_chunk_sizes` sizes or one context: a sweep that
+    cannot fit then runs long rather than measure too little to fit."""
+    def fits(s: CalibrationSpec) -> bool:
+        return guess.sweep_s(s, max_model_len) <= budget_s
+
+    if fits(spec):
+        return spec
+    spec = dataclasses.replace(spec, iters=min(spec.iters, sizing.min_iters),
+                               warmup=min(spec.warmup, 1))
+    while not fits(spec) and len(spec.prefill_tokens) > sizing.min_chunk_sizes:
+        spec = dataclasses.replace(spec, prefill_tokens=spec.prefill_tokens[:-1])
+    while not fits(spec) and len(spec.contexts) > 1:
+        spec = dataclasses.replace(spec, contexts=tuple(sorted(spec.contexts))[:-1])
+    return spec
+
+
+def relative_iqr(values: list[float]) -> float:
+    """(p75 - p25) / median: the spread of a measurement, robust to a stolen-time burst."""
+    if len(values) < 2:
+        return 0.0
+    q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return (q3 - q1) / median if median > 0 else 0.0
+
+
 class Calibrator:
     def __init__(self, spec: CalibrationSpec, progress: bool = True,
-                 worker: Worker | None = None) -> None:
+                 worker: Worker | None = None, sizing: GridSizing | None = None,
+                 report: Callable[[str], object] | None = None) -> None:
         """`worker`: measure on this one (a serving worker before it serves: its weights,
         pool, backend and CUDA graphs are what the table is for; its requests must be gone
         and it must be running `spec`'s model, dtype and device). A new worker with a pool
         of just the needed size is built when none is given or its pool is too small or
-        of another block size."""
-        self.spec, self.progress = spec, progress
+        of another block size. `sizing`: first run a pilot and cut `spec` to fit its time
+        (the table stores the spec it measured); None measures `spec` as it is (`--check`,
+        the automatic calibration). `report`: where the estimate goes (a line of text)."""
+        self.spec, self.progress, self.sizing = spec, progress, sizing
+        self.report = report or (lambda line: None)
         if worker is None or worker.block_size != spec.block_size \
                 or worker.num_kv_blocks < spec.num_kv_blocks:
             worker = Worker(spec.model, num_kv_blocks=spec.num_kv_blocks,
@@ -175,18 +260,67 @@ class Calibrator:
             times = [t for t, _ in kept]
             stats.append({"mean_s": statistics.fmean(times), "median_s": statistics.median(times),
                           "std_s": statistics.stdev(times) if len(times) > 1 else 0.0,
+                          "iqr": relative_iqr(times),
                           "bytes_moved": kept[-1][1]})
         return stats
 
     # -- hardware and KV capacity -----------------------------------------------------------
-    def hardware(self) -> dict[str, float]:
+    def hardware(self) -> tuple[dict[str, float], dict[str, float]]:
+        """(the best run of the GEMM and of the copy probe, their relative spreads). The best,
+        not the mean: these are peaks, and on a shared machine another process only ever
+        slows a run, so the best run is the one that repeats."""
         spec, device = self.spec, self.worker.device
-        return {"peak_flops": measure_matmul_peak_flops(
-                    self.worker.dtype, size=spec.matmul_size, warmup=spec.warmup,
-                    iters=spec.iters, device=device),
-                "memory_bandwidth": measure_memory_bandwidth(
-                    nbytes=spec.bandwidth_bytes, warmup=spec.warmup, iters=spec.iters,
-                    device=device)}
+        flops = matmul_flops_runs(self.worker.dtype, size=spec.matmul_size,
+                                  warmup=spec.warmup, iters=spec.iters, device=device)
+        bandwidth = bandwidth_runs(nbytes=spec.bandwidth_bytes, warmup=spec.warmup,
+                                   iters=spec.iters, device=device)
+        return ({"peak_flops": max(flops), "memory_bandwidth": max(bandwidth)},
+                {"peak_flops": relative_iqr(flops), "memory_bandwidth": relative_iqr(bandwidth)})
+
+    def pilot(self) -> StepGuess:
+        """A few single steps (a decode, a middle chunk shallow and deep) that price the
+        grid's points; their requests are released before the sweep."""
+        spec, limit = self.spec, self.worker.model_config.max_model_len
+        decode = self.decode_point(1, min(spec.decode_contexts))
+        decode()  # the first run pays one-time costs
+        base_s = decode()[0]
+        tokens = sorted(spec.prefill_tokens)[len(spec.prefill_tokens) // 2]
+        deep = max((c for c in spec.contexts if c + tokens <= limit), default=0)
+        shallow_s = self.prefill_point(tokens, 0)()[0]
+        deep_s = self.prefill_point(tokens, deep)()[0] if deep else shallow_s
+        self.worker.execute(self._plan(finished_request_ids=set(self._admitted)))
+        self._admitted.clear()
+        token_s = max(shallow_s - base_s, 0.0) / tokens
+        pair_s = max(deep_s - shallow_s, 0.0) / (tokens * deep) if deep else 0.0
+        return StepGuess(base_s, token_s, pair_s)
+
+    def _size(self, sizing: GridSizing) -> None:
+        """Pilot, cut the spec to `sizing`, report the estimate."""
+        started = time.perf_counter()
+        before, limit = self.spec, self.worker.model_config.max_model_len
+        guess = self.pilot()
+        flops_per_token = self.model_stats(None)["flops_per_token"]
+
+        def probes_s(spec: CalibrationSpec) -> float:
+            # The GEMM at the model's own FLOP rate, the copy at the rate a decode reads
+            # the weights: rough, like every estimate here.
+            gemm_s = 2.0 * spec.matmul_size ** 3 * guess.token_s / max(flops_per_token, 1.0)
+            copy_s = 2.0 * spec.bandwidth_bytes * guess.base_s / max(self.worker.weight_bytes, 1)
+            return (spec.warmup + spec.iters) * (gemm_s + copy_s)
+
+        budget_s = sizing.max_duration_s - (time.perf_counter() - started) - probes_s(before)
+        self.spec = spec = size_grid(before, guess, limit, sizing, budget_s)
+        estimate_s = guess.sweep_s(spec, limit) + probes_s(spec)
+        rounds = spec.warmup + spec.iters
+        num_points = len(prefill_points(spec, limit)) + len(decode_points(spec))
+        line = (f"calibrate: estimated {_minutes(estimate_s)} for {num_points} points x "
+                f"{rounds} rounds plus the hardware probes")
+        if spec != before:
+            line += (f" (sized to calibration.max_duration_s {sizing.max_duration_s:g} s: "
+                     f"chunks up to {max(spec.prefill_tokens)} tokens, contexts "
+                     f"{', '.join(map(str, spec.contexts))}, {spec.warmup} warm-up + "
+                     f"{spec.iters} kept runs per point)")
+        self.report(line)
 
     def kv_capacity(self) -> dict[str, object]:
         worker, cfg = self.worker, self.worker.model_config
@@ -248,20 +382,27 @@ class Calibrator:
             torch.set_num_threads(threads)
 
     def _run(self, weight_bits: int | None) -> dict[str, object]:
+        if self.sizing is not None:
+            self._size(self.sizing)
         spec = self.spec
         limit = self.worker.model_config.max_model_len
-        points = [(t, c) for c in spec.contexts for t in spec.prefill_tokens if t + c <= limit]
-        decodes = [(b, c) for c in spec.decode_contexts for b in spec.decode_batches]
-        hardware, kv = self.hardware(), self.kv_capacity()
+        points = prefill_points(spec, limit)
+        decodes = decode_points(spec)
+        (hardware, hardware_noise), kv = self.hardware(), self.kv_capacity()
         runs = [self.prefill_point(t, c) for t, c in points]
         runs += [self.decode_point(b, c) for b, c in decodes]
         rounds = spec.warmup + spec.iters
-        with tqdm(total=rounds * len(runs), desc="calibrate", unit="step",
+        # smoothing=0: the rate over the whole run; interleaved rounds make it a fair ETA
+        # (recent steps alone swing between the smallest and the largest point).
+        with tqdm(total=rounds * len(runs), desc="calibrate", unit="step", smoothing=0,
                   disable=not self.progress) as bar:
             stats = self.sweep(runs, bar)
-        prefill = [{"tokens": t, "context": c, **st}
+        prefill = [{"tokens": t, "context": c, **{k: v for k, v in st.items() if k != "iqr"}}
                    for (t, c), st in zip(points, stats, strict=False)]
-        decode = [{"batch": b, "context": c, **st}
+        noise = {"prefill_time": _median([st["iqr"] for st in stats[:len(points)]]),
+                 "decode_time": _median([st["iqr"] for st in stats[len(points):]]),
+                 **hardware_noise}
+        decode = [{"batch": b, "context": c, **{k: v for k, v in st.items() if k != "iqr"}}
                   for (b, c), st in zip(decodes, stats[len(points):], strict=True)]
         device = self.worker.device
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else \
@@ -269,5 +410,16 @@ class Calibrator:
         spec_json = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(spec).items()}
         return {"schema_version": SCHEMA_VERSION, "created_unix": time.time(),
                 "device_name": name, "spec": spec_json,
+                "model_config_sha256": model_config_sha256(self.worker),
                 "model_stats": self.model_stats(weight_bits), "hardware": hardware, "kv": kv,
+                "noise": noise,
                 "prefill": prefill, "decode": decode}
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else 0.0
+
+
+def _minutes(seconds: float) -> str:
+    minutes, rest = divmod(round(seconds), 60)
+    return f"{minutes} min {rest:02d} s" if minutes else f"{rest} s"

@@ -1,19 +1,22 @@
-"""CUDA graphs for decode-only steps (nano-vllm's scheme, captured lazily per bucket).
+"""CUDA graphs for decode-only steps (nano-vllm's scheme), every bucket captured at start.
 
 A decode-only step of `n` sequences is padded to the smallest bucket `B >= n` (1, 2, 4, 8,
 then every 16 up to `max_batch`; `StepMetadata.build(pad_to=B)` pads on the host: one token per
 extra sequence, `seq_len` 0, slot -1, so the kernels skip them). Its inputs are copied into
-static device buffers and the bucket's graph, captured on first use, is replayed: one launch
-instead of hundreds. Mixed and prefill steps, and batches above `max_batch`, run eagerly.
+static device buffers and the bucket's graph is replayed: one launch instead of hundreds.
+Mixed and prefill steps, and batches above `max_batch`, run eagerly.
 
-Capture: the step's own inputs are first copied into the static buffers, then one eager run
-(compiles the Triton kernels, warms cuBLAS; it writes the same K/V the replay writes again),
-then the capture. All buckets share one memory pool: graphs replay one at a time on one stream
+Capture (`capture_all`, called by the worker before it reports ready, never inside a step):
+largest bucket first, each from the static buffers holding padding only (slot -1, `seq_len`
+0: nothing read or written), one eager run (compiles the Triton kernels, warms cuBLAS), then
+the capture. All buckets share one memory pool: graphs replay one at a time on one stream
 and keep nothing alive between replays but the static buffers, so sharing is safe.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -21,6 +24,8 @@ import torch
 from torch import Tensor
 
 from workers.attention import AttentionBackend, KVCache, StepMetadata
+
+log = logging.getLogger(__name__)
 
 
 def graph_buckets(max_batch: int) -> list[int]:
@@ -66,6 +71,7 @@ class DecodeGraphs:
         self.block_table = torch.zeros((n, max_blocks_per_seq), **zeros)
         self.hidden = torch.zeros((n, hidden_size), dtype=dtype, device=device)
         self.graphs: dict[int, Callable[[], None]] = {}  # bucket -> replay
+        self.num_replays = 0
         self.pool = None
 
     def bucket_for(self, num_seqs: int, max_blocks: int) -> int | None:
@@ -98,12 +104,30 @@ class DecodeGraphs:
         self.seq_lens[:size].copy_(meta.seq_lens)
         self.block_table[:size, :width].copy_(meta.block_table)
         replay = self.graphs.get(size)
-        if replay is None:
-            replay = self.graphs[size] = self._capture(size)
+        if replay is None:  # a capture takes a second: never inside a step
+            raise RuntimeError(f"no CUDA graph for bucket {size}: capture_all() at start")
         replay()
+        self.num_replays += 1
         return self.hidden[:size]
 
+    def capture_all(self) -> float:
+        """Capture every bucket (largest first, so that the shared pool is sized once);
+        progress in the log. -> seconds taken."""
+        start = time.perf_counter()
+        for i, size in enumerate(reversed(self.buckets)):
+            if size not in self.graphs:
+                self.graphs[size] = self._capture(size)
+            log.info("CUDA graph %d/%d captured (batch %d), %.1f s", i + 1, len(self.buckets),
+                     size, time.perf_counter() - start)
+        return time.perf_counter() - start
+
     def _capture(self, size: int) -> Callable[[], None]:
+        # Padding only: no K/V written (slot -1), none read (seq_len 0).
+        self.input_ids[:size] = 0
+        self.positions[:size] = 0
+        self.slot_mapping[:size] = -1
+        self.seq_lens[:size] = 0
+        self.block_table[:size] = 0
         static = self._static_meta(size)
         step = self.backend.prepare(static)
 
@@ -111,7 +135,7 @@ class DecodeGraphs:
             self.hidden[:size] = self.model(static.input_ids, static.positions, step,
                                             self.kv_caches)
 
-        forward()  # warm-up on the real inputs: compiles kernels; its K/V writes are the replay's
+        forward()  # warm-up: compiles the kernels, warms cuBLAS
         self._synchronize()
         return self._record(forward)
 

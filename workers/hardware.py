@@ -18,7 +18,8 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["measure_matmul_peak_flops", "measure_memory_bandwidth", "timed_mean"]
+__all__ = ["bandwidth_runs", "matmul_flops_runs", "measure_matmul_peak_flops",
+           "measure_memory_bandwidth", "timed_mean", "timed_runs"]
 
 
 def _sync(device: torch.device) -> None:
@@ -26,21 +27,28 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed_mean(fn: Callable[[], object], warmup: int, iters: int, device: torch.device) -> float:
-    """Mean wall time of `fn` over `iters` runs after `warmup` discarded runs (seconds)."""
+def timed_runs(fn: Callable[[], object], warmup: int, iters: int,
+               device: torch.device) -> list[float]:
+    """Wall time of each of `iters` runs of `fn` after `warmup` discarded runs (seconds)."""
     if iters < 1 or warmup < 0:
         raise ValueError(f"need iters >= 1 and warmup >= 0, got {iters=} {warmup=}")
     for _ in range(warmup):
         fn()
     _sync(device)
-    total = 0.0
+    times = []
     for _ in range(iters):
         # Timed one by one (synchronised) so a single slow run cannot hide in a queue.
         start = time.perf_counter()
         fn()
         _sync(device)
-        total += time.perf_counter() - start
-    return total / iters
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def timed_mean(fn: Callable[[], object], warmup: int, iters: int, device: torch.device) -> float:
+    """Mean wall time of `fn` over `iters` runs after `warmup` discarded runs (seconds)."""
+    times = timed_runs(fn, warmup, iters, device)
+    return sum(times) / len(times)
 
 
 def measure_matmul_peak_flops(
@@ -56,13 +64,20 @@ def measure_matmul_peak_flops(
     peak that model FLOPs are compared against (not the vendor's theoretical peak). Uses the
     current torch thread count: set threads before calling if the workload will.
     """
+    runs = matmul_flops_runs(dtype, size, warmup, iters, device)
+    return len(runs) / sum(1.0 / r for r in runs)  # total FLOPs / total time
+
+
+def matmul_flops_runs(dtype: torch.dtype, size: int, warmup: int, iters: int,
+                      device: str | torch.device) -> list[float]:
+    """FLOP/s of each timed GEMM run (`measure_matmul_peak_flops`' probe, run by run)."""
     dev = torch.device(device)
     gen = torch.Generator(device="cpu").manual_seed(0)
     a = torch.randn(size, size, generator=gen).to(device=dev, dtype=dtype)
     b = torch.randn(size, size, generator=gen).to(device=dev, dtype=dtype)
     out = torch.empty(size, size, device=dev, dtype=dtype)
-    seconds = timed_mean(lambda: torch.mm(a, b, out=out), warmup, iters, dev)
-    return 2.0 * size**3 / seconds
+    return [2.0 * size**3 / t
+            for t in timed_runs(lambda: torch.mm(a, b, out=out), warmup, iters, dev)]
 
 
 def measure_memory_bandwidth(
@@ -78,10 +93,16 @@ def measure_memory_bandwidth(
     not counted, as in STREAM. `nbytes` must be far above the last-level cache (the default
     256 MiB is) or the result is cache bandwidth. Weight-read bounds divide bytes read by this.
     """
+    runs = bandwidth_runs(nbytes, warmup, iters, device)
+    return len(runs) / sum(1.0 / r for r in runs)  # total bytes / total time
+
+
+def bandwidth_runs(nbytes: int, warmup: int, iters: int,
+                   device: str | torch.device) -> list[float]:
+    """Bytes/s of each timed copy (`measure_memory_bandwidth`' probe, run by run)."""
     dev = torch.device(device)
     numel = max(nbytes // 4, 1)
     src = torch.ones(numel, dtype=torch.float32, device=dev)
     dst = torch.empty_like(src)  # ones/empty_like touch every page before timing starts
     dst.fill_(0.0)
-    seconds = timed_mean(lambda: dst.copy_(src), warmup, iters, dev)
-    return 2.0 * numel * 4 / seconds
+    return [2.0 * numel * 4 / t for t in timed_runs(lambda: dst.copy_(src), warmup, iters, dev)]

@@ -10,7 +10,9 @@ argmax; random rows race exponential noise against the filtered probabilities (t
 `probs / E`, E ~ Exp(1), is a draw from `probs`), the noise a counter-based hash of (seed, k,
 token id), so a seeded draw again depends only on (seed, k, logits), on any device. Its draws
 are not the CPU path's (a different random stream); the only device-to-host copy is the
-sampled ids.
+sampled ids. No host sync inside a step: the random rows' parameters (`DeviceSampling`, built
+on the host, seeds derived there) travel in the step's one pinned metadata upload, and
+`sample_on_device` reads them from there.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -116,26 +119,61 @@ class Sampler:
 
     def ids_on_device(self, logits: Tensor, rows: list[SamplingRow]) -> Tensor:
         """logits [S, V] fp32 -> [S] int64 token ids on the logits' device, not synchronised
-        (the caller copies them to the host when it needs them)."""
+        (the caller copies them to the host when it needs them). The parameters are copied
+        here; the worker sends them with the step's metadata instead (`sample_on_device`)."""
         assert logits.shape[0] == len(rows)
-        tokens = logits.argmax(dim=-1)
+        plan = self.device_sampling(rows)
+        uploaded = () if plan is None else tuple(
+            torch.from_numpy(a).to(logits.device) for a in plan.arrays)
+        return self.sample_on_device(logits, plan, uploaded)
+
+    def device_sampling(self, rows: list[SamplingRow]) -> DeviceSampling | None:
+        """The host side of a step's random rows (None when all are greedy): their indices,
+        temperatures, top-k, top-p and seeds (a seeded row's from (seed, k); an unseeded
+        row's drawn from the worker's generator) as int64 arrays."""
         random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
-        if random_rows:
-            device = logits.device
-            params = [rows[i].params for i in random_rows]
-            index = torch.tensor(random_rows, device=device)
-            temps = torch.tensor([p.temperature for p in params], device=device)
-            sub = logits[index].float() / temps[:, None]
-            if any(p.top_k > 0 for p in params):
-                sub = apply_top_k(sub, torch.tensor([p.top_k for p in params], device=device))
-            if any(p.top_p < 1.0 for p in params):
-                sub = apply_top_p(sub, torch.tensor([p.top_p for p in params], device=device))
-            probs = sub.softmax(dim=-1)
-            seeds = [
-                derive_seed(p.seed, rows[i].num_output_tokens) if p.seed is not None
-                else int(torch.randint(1 << 62, (1,), generator=self.generator))
-                for i, p in zip(random_rows, params, strict=True)
-            ]
-            noise = -torch.log(hash_uniform(torch.tensor(seeds, device=device), sub.shape[1]))
-            tokens[index] = (probs / noise).argmax(dim=-1)
-        return tokens
+        if not random_rows:
+            return None
+        params = [rows[i].params for i in random_rows]
+        seeds = [
+            derive_seed(p.seed, rows[i].num_output_tokens) if p.seed is not None
+            else int(torch.randint(1 << 62, (1,), generator=self.generator))
+            for i, p in zip(random_rows, params, strict=True)
+        ]
+        arrays = (
+            np.asarray(random_rows, np.int64),
+            np.asarray([p.temperature for p in params], np.float64).view(np.int64),
+            np.asarray([p.top_k for p in params], np.int64),
+            np.asarray([p.top_p for p in params], np.float64).view(np.int64),
+            np.asarray(seeds, np.int64),
+        )
+        return DeviceSampling(arrays, any(p.top_k > 0 for p in params),
+                              any(p.top_p < 1.0 for p in params))
+
+    def sample_on_device(self, logits: Tensor, plan: DeviceSampling | None,
+                         uploaded: tuple[Tensor, ...]) -> Tensor:
+        """logits [S, V] fp32 -> [S] int64 ids on the device; `uploaded`: `plan.arrays` on
+        the device, in order. Nothing here reads the device from the host."""
+        tokens = logits.argmax(dim=-1)
+        if plan is None:
+            return tokens
+        index, temp_bits, top_k, top_p_bits, seeds = uploaded
+        sub = logits.index_select(0, index).float() / temp_bits.view(torch.float64).float()[
+            :, None]
+        if plan.has_top_k:
+            sub = apply_top_k(sub, top_k)
+        if plan.has_top_p:
+            sub = apply_top_p(sub, top_p_bits.view(torch.float64).float())
+        probs = sub.softmax(dim=-1)
+        noise = -torch.log(hash_uniform(seeds, sub.shape[1]))
+        return tokens.scatter_(0, index, (probs / noise).argmax(dim=-1))
+
+
+@dataclass(frozen=True)
+class DeviceSampling:
+    """`arrays`: (row indices, temperatures as float64 bits, top-k, top-p as float64 bits,
+    seeds), int64 each, one entry per random row; which filters any row uses."""
+
+    arrays: tuple[np.ndarray, ...]
+    has_top_k: bool
+    has_top_p: bool

@@ -9,9 +9,12 @@ end of its known tokens.
 Execution of a step: the spans are laid out decodes first (longest context first), then the
 chunks; `StepMetadata.build` packs ids, positions, slots and block table on the host and copies
 them to the device at once (workers/attention/metadata.py); the attention backend prepares the
-step once for all layers (`attention_backend`: triton on CUDA, torch on CPU). On CUDA,
-decode-only steps replay a CUDA graph of their batch-size bucket (workers/cuda_graphs.py) and
-mixed steps run eagerly; tokens are sampled on the device and copied back in one copy.
+step once for all layers (`attention_backend`: triton on CUDA, torch on CPU). On CUDA the
+layers are the fused ones (workers/kernels/fused_llama.py), every kernel is compiled and every
+graph bucket captured when the worker starts (`_warm_up`), decode-only steps replay a CUDA
+graph of their batch-size bucket (workers/cuda_graphs.py) and mixed steps run eagerly; the
+random rows' sampling parameters ride in the metadata upload, tokens are sampled on the
+device and copied back in one copy: nothing in `launch` waits for the device.
 
 Bytes-moved estimate (feeds the CPU bandwidth telemetry), per step:
     weights read   = every weight matrix once (the embedding table only for its T gathered
@@ -26,29 +29,34 @@ A chunk's `bytes_moved` uses the same terms for its own tokens plus its pro-rata
 
 from __future__ import annotations
 
+import logging
 import time
+from dataclasses import replace
 from functools import cached_property
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from controller.messages import (
     CachedRequestData,
-    ChunkComplete,
     NewRequestData,
     StepPlan,
     StepResult,
 )
 from workers.attention import HostStaging, SeqSpan, StepMetadata, allocate_kv_cache, make_backend
-from workers.cuda_graphs import DecodeGraphs
+from workers.cuda_graphs import DecodeGraphs, Forward
 from workers.loader import load_model, parse_dtype
 from workers.model_config import ModelConfig
 from workers.presets import resolve_model
 from workers.sampler import Sampler, SamplingRow
 from workers.sections import CacheSection, RunOptions, WorkerSection
+from workers.step_results import StepResults
 from workers.step_state import PendingStep, RequestState, resolve_num_threads
 from workers.telemetry import TelemetrySource
 from workers.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 def build_worker(section: WorkerSection, cache: CacheSection) -> Worker:
@@ -65,7 +73,7 @@ def build_worker(section: WorkerSection, cache: CacheSection) -> Worker:
     return worker
 
 
-class Worker:
+class Worker(StepResults):
     def __init__(
         self,
         model: str,
@@ -113,12 +121,19 @@ class Worker:
             device=self.device,
         )
         self._staging = HostStaging(self.device)
+        # The forward of a step: on CUDA with the Triton backend the fused layers
+        # (workers/kernels), elsewhere the model's own (the CPU path, token-exact).
+        self.forward: Forward = self.model
+        if self.device.type == "cuda" and self.backend.name == "triton":
+            from workers.kernels.fused_llama import FusedLlama
+
+            self.forward = FusedLlama(self.model)
         self.graphs: DecodeGraphs | None = None
         if (cuda_graphs and max_graph_batch > 0 and self.device.type == "cuda"
                 and self.backend.supports_cuda_graphs):
             max_blocks = min(-(-cfg.max_model_len // block_size), num_kv_blocks)
             self.graphs = DecodeGraphs(
-                self.model, self.kv_caches, self.backend, max_graph_batch, max_blocks,
+                self.forward, self.kv_caches, self.backend, max_graph_batch, max_blocks,
                 block_size, cfg.hidden_size, self.dtype, self.device,
             )
         self.sampler = Sampler(seed)
@@ -139,6 +154,43 @@ class Worker:
         self._matmul_weight_bytes = self.weight_bytes - (
             0 if cfg.tie_word_embeddings else embed_bytes
         )
+        # Seconds spent at start compiling kernels and capturing graphs (CUDA), 0 on CPU.
+        self.startup_s = self._warm_up() if self.device.type == "cuda" else 0.0
+
+    @property
+    def uses_fused_layers(self) -> bool:
+        return self.forward is not self.model
+
+    def _warm_up(self) -> float:
+        """The slow things once, before the worker reports ready, never inside a step: every
+        Triton kernel compiled (an eager mixed step, then a decode-only one prepared as a
+        graph capture prepares it, which takes the split-K kernels), then every CUDA-graph
+        bucket captured. Warm-up steps write no K/V (slot -1: the Triton kernels skip it).
+        A compile failure raises here. -> seconds taken (0 for the torch backend)."""
+        start = time.perf_counter()
+        if self.backend.name != "triton":  # nothing to compile; SDPA needs no warm-up here
+            return 0.0
+        chunk = 2 * self.block_size + 3  # three blocks: the prefill kernel's multi-block loop
+        blocks = [b % self.num_kv_blocks for b in range(3)]
+        spans = [SeqSpan(0, 1, 1, blocks[:1]), SeqSpan(1, chunk, chunk, blocks)]
+        with torch.inference_mode():
+            for step_spans, no_context in ((spans, False), (spans[:1], True)):
+                num_tokens = sum(s.num_query_tokens for s in step_spans)
+                meta = StepMetadata.build(step_spans, [0] * num_tokens, self.block_size,
+                                          self._staging, logits_indices=[0])
+                meta.slot_mapping.fill_(-1)
+                if no_context:
+                    meta = replace(meta, max_seq_len=None)
+                hidden = self.forward(meta.input_ids, meta.positions,
+                                      self.backend.prepare(meta), self.kv_caches)
+                self.sampler.sample_on_device(self.model.compute_logits(hidden[:1]), None, ())
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            log.info("kernels compiled (%s attention, %s layers), %.1f s", self.backend.name,
+                     "fused" if self.uses_fused_layers else "torch", time.perf_counter() - start)
+            if self.graphs is not None:
+                self.graphs.capture_all()
+        return time.perf_counter() - start
 
     # ---- properties -------------------------------------------------------------------------
     @property
@@ -252,8 +304,9 @@ class Worker:
             start_event.record()
         for request_id in plan.finished_request_ids:  # first: a preempted id may come back new
             self._requests.pop(request_id, None)
+        moves = None
         if plan.block_moves:
-            self._move_blocks(plan.block_moves)
+            moves = self._remap_blocks(plan.block_moves)
         for new in plan.new_requests:
             self._add_request(new)
         for cached in plan.cached_requests:
@@ -279,6 +332,8 @@ class Worker:
             scheduled.append((request_id, state, begin, num_tokens))
         pending = PendingStep(plan, start_s, start_event)
         if not scheduled:
+            if moves is not None:
+                self._copy_blocks(*(torch.from_numpy(a).to(self.device) for a in moves))
             pending.end_s = time.perf_counter()
             return pending
         flat = sorted(scheduled, key=lambda s: (s[3] != 1, -(s[2] + s[3]) if s[3] == 1 else 0))
@@ -301,15 +356,26 @@ class Worker:
         if self.graphs is not None and len(input_ids) == len(flat_spans):  # decode-only
             width = max(-(-span.context_len // self.block_size) for span in flat_spans)
             bucket = self.graphs.bucket_for(len(flat_spans), width)
+        sample_rows = [
+            SamplingRow(self._requests[rid].sampling_params, self._requests[rid].num_output_tokens)
+            for rid in sampling_ids
+        ]
+        # On CUDA the random rows' sampling parameters ride in the same upload (no sync).
+        sampling = (self.sampler.device_sampling(sample_rows) if self.device.type == "cuda"
+                    else None)
         # One host build and one copy to the device for the whole step (attention/metadata.py).
+        extra = (() if sampling is None else sampling.arrays) + (() if moves is None else moves)
         meta = StepMetadata.build(flat_spans, input_ids, self.block_size, self._staging,
-                                  logits_indices=last_rows, pad_to=bucket)
+                                  logits_indices=last_rows, pad_to=bucket, extra=extra)
+        sampling_inputs = meta.extra[: len(extra) - (0 if moves is None else 2)]
+        if moves is not None:  # before the forward reads them, from the same upload
+            self._copy_blocks(*meta.extra[-2:])
         if bucket is not None:
             assert self.graphs is not None
             hidden = self.graphs.run(meta)  # [bucket, hidden], padding rows past the real ones
         else:
             attn = self.backend.prepare(meta)
-            hidden = self.model(meta.input_ids, meta.positions, attn, self.kv_caches)
+            hidden = self.forward(meta.input_ids, meta.positions, attn, self.kv_caches)
         hidden = hidden[: meta.num_real_tokens]  # [T, hidden]
 
         if self.keep_logits:
@@ -321,20 +387,16 @@ class Worker:
             logits = all_logits[meta.logits_indices]
         else:
             logits = self.model.compute_logits(hidden[meta.logits_indices])  # [S, vocab]
-        rows = [
-            SamplingRow(self._requests[rid].sampling_params, self._requests[rid].num_output_tokens)
-            for rid in sampling_ids
-        ]
         if self.device.type == "cuda":
             # The step's one device-to-host copy, queued behind the step: into pinned memory,
             # so that it runs asynchronously; `wait` reads it once `done` has passed.
-            ids = self.sampler.ids_on_device(logits, rows)
-            pending.host_ids = self._pinned_ids(len(rows))
+            ids = self.sampler.sample_on_device(logits, sampling, sampling_inputs)
+            pending.host_ids = self._pinned_ids(len(sample_rows))
             pending.host_ids.copy_(ids, non_blocking=True)
             pending.done = torch.cuda.Event(enable_timing=True)
             pending.done.record()
         else:
-            pending.tokens = self.sampler(logits, rows)
+            pending.tokens = self.sampler(logits, sample_rows)
             pending.end_s = time.perf_counter()  # the step has run: its time ends here
         return pending
 
@@ -367,59 +429,20 @@ class Worker:
                                          dtype=torch.int64, pin_memory=True)
         return self._host_ids[:num]
 
-    def _sample_telemetry(self, result: StepResult) -> StepResult:
-        if self.telemetry is not None:
-            sample = self.telemetry.sample(result.bytes_moved, result.elapsed_s, time.monotonic())
-            result.bandwidth_utilization = sample.bandwidth_utilization
-        return result
-
-    def _move_blocks(self, moves: dict[int, int]) -> None:
-        """Defragmentation: sources and destinations are disjoint sets (the controller moves
-        used blocks from above the compact region into free slots below it), so one batched
-        index copy per tensor is exact."""
-        src = torch.tensor(list(moves), dtype=torch.int64, device=self.device)
-        dst = torch.tensor(list(moves.values()), dtype=torch.int64, device=self.device)
-        for k_cache, v_cache in self.kv_caches:
-            k_cache[dst] = k_cache[src]
-            v_cache[dst] = v_cache[src]
+    def _remap_blocks(self, moves: dict[int, int]) -> tuple[np.ndarray, np.ndarray]:
+        """Defragmentation, host side: the requests' block tables follow the moves at once;
+        -> (sources, destinations), whose K/V rows `_copy_blocks` moves (on CUDA from the
+        step's metadata upload: no pageable copy, no sync)."""
+        self._check_blocks([*moves, *moves.values()])
         for state in self._requests.values():
             state.block_ids[:] = [moves.get(b, b) for b in state.block_ids.tolist()]
+        return (np.fromiter(moves, np.int64, len(moves)),
+                np.fromiter(moves.values(), np.int64, len(moves)))
 
-    def _finish_step(
-        self, plan: StepPlan, spans: dict[str, SeqSpan], sampled: dict[str, int], elapsed_s: float
-    ) -> StepResult:
-        num_tokens = sum(span.num_query_tokens for span in spans.values())
-        result = StepResult(step_id=plan.step_id, elapsed_s=elapsed_s, num_tokens=num_tokens)
-        total_bytes = self._matmul_weight_bytes + len(sampled) * self.vocab_size * 4
-        for request_id, span in spans.items():
-            state = self._requests[request_id]
-            begin = span.context_len - span.num_query_tokens
-            span_bytes = self._span_bytes(span)
-            total_bytes += span_bytes
-            if span.num_query_tokens > 1 or begin < state.num_admitted_tokens:
-                weight_share = self._matmul_weight_bytes * span.num_query_tokens // num_tokens
-                result.chunk_events.append(
-                    ChunkComplete(
-                        request_id=request_id,
-                        chunk_index=state.num_chunks,
-                        start=begin,
-                        num_tokens=span.num_query_tokens,
-                        elapsed_s=elapsed_s,
-                        bytes_moved=span_bytes + weight_share,
-                    )
-                )
-                state.num_chunks += 1
-            state.num_computed = span.context_len
-            token = sampled.get(request_id)
-            result.sampled_token_ids[request_id] = [] if token is None else [token]
-            if token is not None:
-                state.token_ids.append(token)
-                state.num_output_tokens += 1
-        result.bytes_moved = total_bytes
-        return result
-
-    def _span_bytes(self, span: SeqSpan) -> int:
-        """KV read + KV written + activations of one span (weights excluded)."""
-        kv = (span.context_len + span.num_query_tokens) * self._kv_bytes_per_token
-        embed_row = self._config.hidden_size * self.dtype.itemsize
-        return kv + span.num_query_tokens * (self._act_bytes_per_token + embed_row)
+    def _copy_blocks(self, src: Tensor, dst: Tensor) -> None:
+        """Sources and destinations are disjoint sets (the controller moves used blocks from
+        above the compact region into free slots below it), so one batched index copy per
+        tensor is exact."""
+        for k_cache, v_cache in self.kv_caches:
+            k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
+            v_cache.index_copy_(0, dst, v_cache.index_select(0, src))

@@ -62,6 +62,10 @@ def test_batch_local_end_to_end(tmp_path):
     rows_after = out.read_text().splitlines()
     ids_after = [json.loads(r)["custom_id"] for r in rows_after]
     assert ids_after.count("text") == 1 and ids_after.count("chat") == 1
+    # The line too broken to name a custom_id is reported once, not again on each resume.
+    assert ids_after.count(None) == 1
+    summary = json.loads((tmp_path / "out.jsonl.summary.json").read_text())
+    assert summary["skipped"] == 5 and summary["failed"] == 0
 
 
 def test_resume_retries_retryable_failures_and_keeps_the_rest(tmp_path):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import urllib.error
@@ -97,9 +98,24 @@ def ray_head(tmp_path: Path) -> Iterator[tuple[dict[str, str], str]]:
                 head.wait(timeout=0.5)  # the poll's pause, cut short if the head exits
         else:
             raise TimeoutError("the Ray dashboard did not come up in 120 s")
+        # On loopback as asked: the raylet advertises 127.0.0.1, not the machine's address.
+        assert raylet_addresses(env["RAY_PORT"]) == ["127.0.0.1"]
         yield env, prelude
     finally:
         stop_head(head)
+
+
+def raylet_addresses(gcs_port: str) -> list[str]:
+    """The node address each raylet of the head on `gcs_port` advertises (its command line;
+    Ray starts it detached, so it is found by its GCS port, not as a child)."""
+    addresses = []
+    for proc in psutil.process_iter(["cmdline"]):
+        args = proc.info["cmdline"] or []
+        if any(a.startswith("--gcs-address=") and a.endswith(f":{gcs_port}") for a in args) \
+                and any(a.startswith("--node_ip_address=") for a in args):
+            addresses += [a.partition("=")[2] for a in args
+                          if a.startswith("--node_ip_address=")]
+    return addresses
 
 
 def stop_head(head: subprocess.Popen) -> None:
@@ -167,13 +183,15 @@ def test_readme_ray_job_submit_and_resume(ray_head: tuple[dict[str, str], str],
     kept = [line for i, line in enumerate(out.read_text().splitlines()) if i % 2 == 0]
     out.write_text("".join(line + "\n" for line in kept))
     num_kept = sum(1 for line in kept if json.loads(line)["custom_id"] is not None)
+    bad_kept = len(kept) - num_kept  # the malformed line's answer, if its line was kept
     proc = submit(env, prelude)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = summary_of(proc)
-    assert summary["skipped"] == num_kept
+    assert summary["skipped"] == num_kept + bad_kept  # a kept error line is not redone
     assert summary["completed"] == NUM_REQUESTS - num_kept
-    answered = [r["custom_id"] for r in records(out) if r["custom_id"] is not None]
-    assert sorted(answered) == sorted(f"r{i}" for i in range(NUM_REQUESTS))  # once each
+    answered = [r["custom_id"] for r in records(out)]
+    assert sorted(a for a in answered if a) == sorted(f"r{i}" for i in range(NUM_REQUESTS))
+    assert answered.count(None) == 1  # the malformed line: reported once, kept or redone
     assert token_ids(out) == cluster_ids
 
 
@@ -185,3 +203,51 @@ def test_relative_paths_refused_under_a_ray_job(tmp_path: Path) -> None:
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "relative path" in proc.stderr and "temporary copy" in proc.stderr
+
+
+def readme_serve_on_head() -> str:
+    """The README's command that serves on the batch recipe's head."""
+    text = (ROOT / "README.md").read_text()
+    (line,) = re.findall(r"`(\.venv/bin/python -m cluster\.serve --ray-address [^`]+)`", text)
+    return line
+
+
+def test_a_job_uses_the_controller_served_on_its_head(ray_head: tuple[dict[str, str], str],
+                                                       tmp_path: Path) -> None:
+    """`cluster.serve --ray-address` joins the recipe's head; the job submitted there finds
+    that server's controller (it starts none of its own) and its requests count in the
+    server's /metrics as tenant "batch". SIGTERM stops the server cleanly (exit 0) and takes
+    its workers with it: the head outlives it."""
+    env, prelude = ray_head
+    port = free_port()
+    serve = subprocess.Popen(
+        ["bash", "-c", f"{prelude}\nexec {readme_serve_on_head()} --model builtin:tiny "
+                       f"--port {port}"],
+        cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    try:
+        assert serve.stdout is not None
+        for line in serve.stdout:  # bounded: the server exits or says it is ready
+            lines.append(line)
+            if "OpenAI API at" in line:
+                break
+        assert "OpenAI API at" in lines[-1], "".join(lines[-40:])
+        write_requests(Path(env["IN"]))
+        proc = submit(env, prelude)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert summary_of(proc)["completed"] == NUM_REQUESTS
+        assert "starting one for this job" not in proc.stdout + proc.stderr
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30)
+        text = metrics.read().decode()
+        (batch,) = [float(x.split()[-1]) for x in text.splitlines()
+                    if x.startswith('tokenflow_tenant_prefill_tokens_total{tenant="batch"')]
+        assert batch > 0
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        try:
+            code = serve.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(serve.pid, signal.SIGKILL)
+            raise
+    assert code == 0

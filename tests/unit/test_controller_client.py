@@ -76,7 +76,10 @@ class ScriptedHandle:
 
     def __getattr__(self, name: str) -> _Method:
         return _Method({"submit": self._submit, "subscribe": self._subscribe,
-                        "resume": self._resume, "abort": self.aborted.append}[name])
+                        "resume": self._resume, "abort": self._abort}[name])
+
+    def _abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> None:
+        self.aborted.append(request_id)
 
     def _submit(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
                 priority: int, tenant: str, subscriber: str) -> Coroutine[Any, Any, Ack]:

@@ -117,3 +117,47 @@ def test_the_dashboard_has_the_variables_rows_and_a_state_timeline() -> None:
         assert panel["targets"] and panel["datasource"]["uid"] == "${datasource}"
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids))
+
+
+def docker_grafana_lines() -> list[str]:
+    """The Grafana container commands of README.md and dashboards/README.md."""
+    root = DASHBOARD_PATH.parents[1]
+    return [line for doc in (root / "README.md", root / "dashboards" / "README.md")
+            for line in doc.read_text(encoding="utf-8").splitlines()
+            if line.startswith("docker run ") and "grafana/grafana" in line]
+
+
+def test_grafana_provisioning_needs_no_edit_and_stays_on_loopback() -> None:
+    """What Grafana would read, resolved as it resolves it (environment variables expanded in
+    provisioning files; a bind mount). Grafana itself does not run here: no Grafana server
+    or Docker on this machine."""
+    import os
+    import shlex
+
+    import yaml
+
+    root = DASHBOARD_PATH.parent
+    provisioning = root / "provisioning"
+    provider = yaml.safe_load((provisioning / "dashboards" / "tokenflow.yml").read_text())
+    path = provider["providers"][0]["options"]["path"]
+    assert path == "${TOKENFLOW_DASHBOARDS}"  # from the environment, never hard-coded
+    source = yaml.safe_load((provisioning / "datasources" / "tokenflow.yml").read_text())
+    assert source["datasources"][0]["url"] == "http://127.0.0.1:9090"
+    lines = docker_grafana_lines()
+    assert len(lines) == 2 and lines[0] == lines[1]  # the README and dashboards/README agree
+    words = shlex.split(lines[0])
+    mounts = [words[i + 1] for i, w in enumerate(words) if w == "-v"]
+    env = dict(words[i + 1].split("=", 1) for i, w in enumerate(words) if w == "-e")
+    ((host, inside),) = [m.rsplit(":ro", 1)[0].split(":") for m in mounts]
+    assert host == "$PWD/dashboards"
+
+    def on_host(container_path: str) -> str:
+        assert container_path.startswith(inside)
+        return str(root) + container_path[len(inside):]
+
+    assert env["GF_SERVER_HTTP_ADDR"] == "127.0.0.1"
+    assert os.path.isdir(os.path.join(on_host(env["GF_PATHS_PROVISIONING"]), "datasources"))
+    resolved = path.replace("${TOKENFLOW_DASHBOARDS}", on_host(env["TOKENFLOW_DASHBOARDS"]))
+    assert os.path.samefile(os.path.join(resolved, "tokenflow.json"), DASHBOARD_PATH)
+    prometheus = yaml.safe_load((root / "prometheus.yml").read_text())
+    assert prometheus["scrape_configs"][0]["static_configs"][0]["targets"] == ["127.0.0.1:8000"]

@@ -72,7 +72,7 @@ class FakeClient:
     async def metrics_snapshot(self) -> MetricsSnapshot:
         return MetricsSnapshot([], RequestMetrics().snapshot())
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> None:
         self.aborted.append(request_id)
 
     def record_rejection(self, kind: str) -> None:

@@ -67,6 +67,18 @@ def test_auto_backend_by_device():
         make_backend("flash", device=CPU, **kwargs)
 
 
+def test_triton_that_fails_to_import_is_an_error_on_cuda(monkeypatch):
+    """No silent fall back to SDPA on a GPU: "auto" on CUDA needs Triton; the torch backend
+    stays available when asked for by name."""
+    monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` raises ImportError
+    kwargs = dict(num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+    cuda = torch.device("cuda")
+    for name in ("auto", "triton"):
+        with pytest.raises(RuntimeError, match="attention_backend=torch"):
+            make_backend(name, device=cuda, **kwargs)
+    assert make_backend("torch", device=cuda, **kwargs).name == "torch"
+
+
 # ---- torch backend ----------------------------------------------------------------------------
 def test_decode_groups_bound_the_padding():
     lens = np.array([4000, 3900, 3300, 1000, 900, 300, 200, 180, 5])

@@ -126,3 +126,31 @@ def test_on_device_draws_follow_the_filtered_distribution():
     assert counts[2] == counts[3] == 0  # top_p 0.7 keeps the two most likely tokens
     torch.testing.assert_close(counts[:2].float() / 4000, torch.tensor([0.625, 0.375]),
                                atol=0.03, rtol=0)
+
+
+def test_parameters_in_the_metadata_upload_sample_as_a_separate_copy():
+    """The worker's CUDA path: the random rows' parameters packed into the step's one
+    metadata upload (floats as float64 bits), sampled from those views, equal the draws of
+    `ids_on_device`, which copies them itself; a greedy-only step adds nothing."""
+    from workers.attention import HostStaging, SeqSpan, StepMetadata
+
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(3))
+    rows = [SamplingRow(SamplingParams(temperature=0.0), 0),
+            SamplingRow(SamplingParams(temperature=0.7, top_p=0.9, seed=5), 3),
+            SamplingRow(SamplingParams(temperature=1.3, top_k=7), 0),
+            SamplingRow(SamplingParams(temperature=0.35, top_k=3, top_p=0.8, seed=9), 1)]
+    plan = Sampler(seed=4).device_sampling(rows)
+    assert plan is not None and plan.has_top_k and plan.has_top_p
+    spans = [SeqSpan(i, 1, 3, [i]) for i in range(4)]
+    meta = StepMetadata.build(spans, [1, 2, 3, 4], 16, HostStaging(torch.device("cpu")),
+                              logits_indices=range(4), extra=plan.arrays)
+    assert meta.logits_indices.tolist() == [0, 1, 2, 3]  # the metadata itself is unchanged
+    index, temps, top_k, top_p, seeds = meta.extra
+    assert index.tolist() == [1, 2, 3] and top_k.tolist() == [0, 7, 3]
+    assert temps.view(torch.float64).tolist() == [0.7, 1.3, 0.35]
+    assert top_p.view(torch.float64).tolist() == [0.9, 1.0, 0.8]
+    assert seeds.tolist()[0] == derive_seed(5, 3) and seeds.tolist()[2] == derive_seed(9, 1)
+    got = Sampler(seed=4).sample_on_device(logits, plan, meta.extra)
+    want = Sampler(seed=4).ids_on_device(logits, rows)
+    assert got.tolist() == want.tolist()
+    assert Sampler().device_sampling(rows[:1]) is None

@@ -30,7 +30,8 @@ from workers.attention import triton_kernels as K  # noqa: E402
 from workers.attention.triton_backend import default_configs  # noqa: E402
 
 TYPES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
-INDEX_PTRS = ("query_start_ptr", "seq_lens_ptr", "block_table_ptr", "slot_ptr")
+INDEX_PTRS = ("query_start_ptr", "seq_lens_ptr", "block_table_ptr", "slot_ptr", "pos_ptr")
+FP32_PTRS = ("cos_sin_ptr",)
 
 
 def compile_kernel(fn, dtype: torch.dtype, constexprs: dict, num_warps: int,
@@ -42,10 +43,11 @@ def compile_kernel(fn, dtype: torch.dtype, constexprs: dict, num_warps: int,
             signature[name] = "constexpr"
             continue
         if name.endswith("_ptr"):
-            kind = ("*i64" if name in INDEX_PTRS else "*fp32" if name.startswith("part_")
+            kind = ("*i64" if name in INDEX_PTRS
+                    else "*fp32" if name.startswith("part_") or name in FP32_PTRS
                     else f"*{TYPES[dtype]}")
         else:
-            kind = "fp32" if name.startswith("scale") else "i32"
+            kind = "fp32" if name.startswith("scale") or name == "eps" else "i32"
         signature[name] = kind
         if kind != "fp32" and name not in fn.do_not_specialize and i not in fn.do_not_specialize:
             attrs[(i,)] = [["tt.divisibility", 16]]
@@ -88,3 +90,30 @@ def test_kernels_compile_for_hopper_without_spills(dtype, head_dim):
     spilled = {name: r for name, r in results.items() if r["spill_bytes"]}
     assert not spilled, f"register spills at the default launch sizes: {spilled}"
     assert all(r["shared"] <= 227 * 1024 for r in results.values()), results  # sm_90's limit
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize(("hidden", "num_heads", "num_kv_heads", "head_dim", "inter"), [
+    (2048, 32, 8, 64, 8192), (4096, 32, 8, 128, 14336)], ids=["llama-1b", "llama-8b"])
+def test_fused_layer_kernels_compile_for_hopper_without_spills(dtype, hidden, num_heads,
+                                                               num_kv_heads, head_dim, inter):
+    """The fused layer's kernels (workers/kernels/fused.py, rope_write_kv) at the sizes their
+    wrappers launch them with for Llama-1B and -8B shapes."""
+    from workers.kernels import fused as F
+
+    block = F.next_pow2(hidden)
+    half = head_dim // 2
+    results = {
+        "add_rmsnorm": compile_kernel(
+            F._add_rmsnorm_kernel, dtype, {"N": hidden, "BLOCK": block, "HAS_DELTA": True},
+            8 if block >= 4096 else 4, 1),
+        "silu_mul": compile_kernel(
+            F._silu_mul_kernel, dtype, {"INTER": inter, "BLOCK": F.SILU_BLOCK}, 4, 1),
+        "rope_write_kv": compile_kernel(
+            K._rope_write_kv_kernel, dtype,
+            {"NUM_HEADS": num_heads, "NUM_KV_HEADS": num_kv_heads, "HEAD_DIM": head_dim,
+             "HALF": half, "HALF_P": K.next_pow2(half), "HEADS_P": K.next_pow2(num_heads),
+             "KV_HEADS_P": K.next_pow2(num_kv_heads)}, 4, 1),
+    }
+    spilled = {name: r for name, r in results.items() if r["spill_bytes"]}
+    assert not spilled, f"register spills at the wrappers' launch sizes: {spilled}"

@@ -128,14 +128,16 @@ def test_padded_decode_step_skips_padding():
 
 
 def test_decode_graph_runner_equals_eager(monkeypatch):
-    """The tiny model through the Worker with the Triton backend: mixed steps (chunked
-    prefills over cached blocks, decodes) run eagerly, decode-only steps through
-    `DecodeGraphs` (padding to a bucket, static buffers, one lazy capture per bucket; on CPU a
-    "replay" calls the captured forward with the arguments fixed at capture, as a graph
-    would). Same logits and tokens as the eager torch backend. Bucket 4 is replayed with fewer
-    sequences after a full one, so stale static entries would show."""
+    """The tiny model through the Worker with the Triton backend and the fused layers (the
+    CUDA path): mixed steps (chunked prefills over cached blocks, decodes) run eagerly,
+    decode-only steps through `DecodeGraphs` (padding to a bucket, static buffers, every
+    bucket captured before the first step and none inside one; on CPU a "replay" calls the
+    captured forward with the arguments fixed at capture, as a graph would). Same logits and
+    tokens as the eager torch path. Bucket 4 is replayed with fewer sequences after a full
+    one, so stale static entries would show."""
     from tests.workers.helpers import Driver, random_ids
     from workers.cuda_graphs import DecodeGraphs
+    from workers.kernels.fused_llama import FusedLlama
     from workers.worker import Worker
 
     captured: list[int] = []
@@ -158,10 +160,16 @@ def test_decode_graph_runner_equals_eager(monkeypatch):
             # 8 "SMs": bucket 4 runs the unified kernel, buckets 2 and 1 the split one.
             worker.backend = triton_backend(cfg.num_attention_heads, cfg.num_key_value_heads,
                                             num_sms=8)
-            worker.graphs = DecodeGraphs(worker.model, worker.kv_caches, worker.backend,
+            worker.forward = FusedLlama(worker.model)
+            worker.graphs = DecodeGraphs(worker.forward, worker.kv_caches, worker.backend,
                                          max_batch=4, max_blocks_per_seq=8, block_size=16,
                                          hidden_size=cfg.hidden_size, dtype=torch.float32,
                                          device=CPU)
+            kv_before = [(k.clone(), v.clone()) for k, v in worker.kv_caches]
+            assert worker._warm_up() > 0  # what a CUDA worker runs at start
+            assert sorted(worker.graphs.graphs) == [1, 2, 4] and len(captured) == 3
+            for (k, v), (k0, v0) in zip(worker.kv_caches, kv_before, strict=True):
+                assert torch.equal(k, k0) and torch.equal(v, v0)  # the warm-up wrote no K/V
         driver = Driver(worker)
         for rid, ids in prompts.items():
             driver.add(rid, ids)
@@ -174,4 +182,4 @@ def test_decode_graph_runner_equals_eager(monkeypatch):
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
     assert got_tokens == want_tokens
-    assert sorted(worker.graphs.graphs) == [1, 2, 4] and len(captured) == 3  # once per bucket
+    assert len(captured) == 3  # at start only, once per bucket

@@ -9,7 +9,8 @@ that large pools cannot overflow.
 A step: `StepMetadata.build` packs the step's integers on the host and copies them once to the
 device (metadata.py); `backend.prepare(meta)` decides everything per step (groups, launch
 sizes) and returns the object every layer calls, `step.forward(q, k, v, kv_cache, scale)`.
-Backends, chosen by `make_backend` ("auto": triton on CUDA, torch on CPU):
+Backends, chosen by `make_backend` ("auto": triton on CUDA, torch on CPU; on CUDA a Triton that
+fails to import is an error, not a fall back):
 - `TorchBackend` (torch_backend.py): SDPA over gathered blocks, varlen decode groups; the CPU
   path and the exact reference.
 - `TritonBackend` (triton_backend.py, kernels in triton_kernels.py): reads K/V straight from
@@ -56,12 +57,15 @@ def make_backend(
         raise ValueError(f"attention backend {name!r}: expected one of {BACKENDS}")
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
-        if name == "triton":
-            try:
-                import triton  # noqa: F401
-            except ImportError:
-                log.warning("triton is not installed: the torch attention backend runs on CUDA")
-                name = "torch"
+    if name == "triton":
+        # On CUDA the Triton path is the served one: a failure here is an error at start,
+        # never a silent fall back to SDPA (`attention_backend="torch"` chooses that).
+        try:
+            import triton  # noqa: F401
+        except ImportError as err:
+            raise RuntimeError(
+                f"the triton attention backend cannot run: triton failed to import ({err}); "
+                "install triton or choose worker.attention_backend=torch") from err
     if name == "torch":
         return TorchBackend(dtype, num_kv_heads, head_dim)
     if device.type != "cuda":

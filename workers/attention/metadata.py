@@ -14,6 +14,8 @@ non-blocking copy; the device tensors below are views into that one copy:
     block_table     [S, W]    each span's first W = max ceil(seq_len / block_size) blocks,
                               zero past a span's own blocks
     logits_indices  [R]       rows whose logits are computed (the sampled spans' last rows)
+    extra           any       int64 arrays a caller adds to the same copy (the sampler's
+                              per-row parameters, floats as their float64 bits)
 
 No `[n, context]` mask is built here: causality follows from positions and `seq_lens`.
 A decode-only step can be padded to a CUDA-graph bucket (`pad_to`): the extra sequences have
@@ -96,6 +98,7 @@ class StepMetadata:
     seq_lens_np: np.ndarray  # [S]
     num_real_tokens: int  # T before padding
     num_real_seqs: int  # S before padding
+    extra: tuple[Tensor, ...] = ()  # device views of `build`'s `extra` arrays, in order
 
     @property
     def is_decode_only(self) -> bool:
@@ -110,8 +113,10 @@ class StepMetadata:
         staging: HostStaging,
         logits_indices: Sequence[int] = (),
         pad_to: int | None = None,
+        extra: Sequence[np.ndarray] = (),
     ) -> StepMetadata:
-        """`spans` in flat-batch order (each starts where the previous ends)."""
+        """`spans` in flat-batch order (each starts where the previous ends). `extra`: int64
+        arrays uploaded in the same copy (one copy and no sync for everything a step sends)."""
         num_seqs = len(spans)
         if num_seqs == 0:
             raise ValueError("a step needs at least one span")
@@ -136,9 +141,12 @@ class StepMetadata:
         width = max(int(num_blocks.max()), 1)
 
         sizes = (padded_tokens, padded_tokens, padded_tokens, padded + 1, padded,
-                 padded * width, len(logits_indices))
+                 padded * width, len(logits_indices), *(len(a) for a in extra))
         host = staging.take(sum(sizes))
-        ids, pos, slots, qsl, lens, table, logit_rows = np.split(host, np.cumsum(sizes)[:-1])
+        ids, pos, slots, qsl, lens, table, logit_rows, *extra_host = np.split(
+            host, np.cumsum(sizes)[:-1])
+        for dst, src in zip(extra_host, extra, strict=True):
+            dst[:] = src
         table2d = table.reshape(padded, width)
 
         ids[:num_tokens] = input_ids
@@ -170,5 +178,5 @@ class StepMetadata:
             num_decodes=num_decodes + (padded - num_seqs),
             max_query_len=int(q_lens.max()), max_seq_len=int(ctx.max()),
             query_start_np=qsl.copy(), seq_lens_np=lens.copy(),
-            num_real_tokens=num_tokens, num_real_seqs=num_seqs,
+            num_real_tokens=num_tokens, num_real_seqs=num_seqs, extra=tuple(views[7:]),
         )

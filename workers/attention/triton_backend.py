@@ -43,7 +43,7 @@ def default_configs(
     wide = max(1 << (group - 1).bit_length(), 16)
     if dtype == torch.float32 or head_dim > 128:
         decode = LaunchConfig(block_m=wide, tile_n=32 if head_dim <= 128 else 16, num_warps=8)
-        prefill = LaunchConfig(block_m=max(64, wide), tile_n=16, num_warps=8)
+        prefill = LaunchConfig(block_m=max(32, wide), tile_n=16, num_warps=8)
         split = LaunchConfig(block_m=wide, tile_n=32 if head_dim <= 128 else 16, num_warps=8)
         return decode, prefill, split
     decode = LaunchConfig(block_m=wide, tile_n=64, num_warps=4)
@@ -81,9 +81,23 @@ class TritonAttentionStep:
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: KVCache, scale: float) -> Tensor:
         """q [T, H, hd], k/v [T, Hkv, hd] (already rotated; strided views are fine)."""
+        k_cache, v_cache = kv_cache
+        self.k.write_kv(k, v, k_cache, v_cache, self.meta.slot_mapping)
+        return self._attend(q, kv_cache, scale)
+
+    def forward_rotary(self, qkv: Tensor, cos_sin: Tensor, kv_cache: KVCache,
+                       scale: float, num_heads: int) -> Tensor:
+        """The fused layer's attention (workers/kernels/fused_llama.py): qkv [T, (H + 2 Hkv)
+        hd] not yet rotated -> [T, H, hd]. Rotary and the KV write are one kernel
+        (`rope_write_kv`, positions from the step's metadata), then the attention launches."""
+        k_cache, v_cache = kv_cache
+        q = self.k.rope_write_kv(qkv, cos_sin, self.meta.positions, self.meta.slot_mapping,
+                                 k_cache, v_cache, num_heads)
+        return self._attend(q, kv_cache, scale)
+
+    def _attend(self, q: Tensor, kv_cache: KVCache, scale: float) -> Tensor:
         meta, kernels = self.meta, self.k
         k_cache, v_cache = kv_cache
-        kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         args = (q, k_cache, v_cache, out, meta.query_start_loc, meta.seq_lens,
                 meta.block_table, scale)

@@ -12,7 +12,8 @@ so slot `s` of the flattened `[num_blocks * block_size, Hkv, hd]` view holds one
   repeated K/V and each K/V tile is loaded once for the whole group. Keys are read in tiles of
   `TILE_N` through the block table (block `pos // block_size`, offset `pos % block_size`, for
   any block size), causal against the query's global position (`seq_len - q_len + i`), hence
-  full over earlier chunks and prefix-cached blocks. Online softmax in fp32 (exp2, scale folded
+  full over earlier chunks and prefix-cached blocks; only the tiles that cross the causal
+  diagonal of the program's rows are masked. Online softmax in fp32 (exp2, scale folded
   into log2 units); fp32 inputs use IEEE dots (no TF32). Sequence of a program: the q-block
   index of sequence i starts at `query_start[i] // BLOCK_Q + i` (vLLM's trick), so the grid is
   `T // BLOCK_Q + S` programs per KV head, known on the host without reading the device, and a
@@ -76,6 +77,75 @@ def write_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mappin
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK=block,
         num_warps=4 if block >= 512 else 2,
     )
+
+
+@triton.jit
+def _rope_write_kv_kernel(
+    qkv_ptr, cos_sin_ptr, pos_ptr, slot_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
+    stride_t, stride_qt, stride_qh, stride_cs, stride_ch,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr, HALF_P: tl.constexpr, HEADS_P: tl.constexpr, KV_HEADS_P: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + token).to(tl.int64)
+    offs_d = tl.arange(0, HALF_P)
+    d_ok = offs_d < HALF
+    cos = tl.load(cos_sin_ptr + pos * 2 * HALF + offs_d, mask=d_ok, other=0.0)[None, :]
+    sin = tl.load(cos_sin_ptr + pos * 2 * HALF + HALF + offs_d, mask=d_ok, other=0.0)[None, :]
+    row = qkv_ptr + token * stride_t
+    # Query heads: rotated into q_out.
+    offs_h = tl.arange(0, HEADS_P)
+    ok = (offs_h < NUM_HEADS)[:, None] & d_ok[None, :]
+    src = row + offs_h[:, None] * HEAD_DIM + offs_d[None, :]
+    x1 = tl.load(src, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=ok, other=0.0).to(tl.float32)
+    dst = q_out_ptr + token * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]
+    tl.store(dst, (x1 * cos - x2 * sin).to(q_out_ptr.dtype.element_ty), mask=ok)
+    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(q_out_ptr.dtype.element_ty), mask=ok)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot < 0:  # CUDA-graph padding: nothing written
+        return
+    # Key heads: rotated into the cache; value heads copied.
+    offs_kh = tl.arange(0, KV_HEADS_P)
+    kv_ok = (offs_kh < NUM_KV_HEADS)[:, None] & d_ok[None, :]
+    src = row + (NUM_HEADS + offs_kh[:, None]) * HEAD_DIM + offs_d[None, :]
+    x1 = tl.load(src, mask=kv_ok, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=kv_ok, other=0.0).to(tl.float32)
+    dst = slot * stride_cs + offs_kh[:, None] * stride_ch + offs_d[None, :]
+    tl.store(k_cache_ptr + dst, (x1 * cos - x2 * sin).to(k_cache_ptr.dtype.element_ty),
+             mask=kv_ok)
+    tl.store(k_cache_ptr + dst + HALF, (x2 * cos + x1 * sin).to(k_cache_ptr.dtype.element_ty),
+             mask=kv_ok)
+    src = src + NUM_KV_HEADS * HEAD_DIM
+    v1 = tl.load(src, mask=kv_ok, other=0.0)
+    v2 = tl.load(src + HALF, mask=kv_ok, other=0.0)
+    tl.store(v_cache_ptr + dst, v1.to(v_cache_ptr.dtype.element_ty), mask=kv_ok)
+    tl.store(v_cache_ptr + dst + HALF, v2.to(v_cache_ptr.dtype.element_ty), mask=kv_ok)
+
+
+def rope_write_kv(qkv: Tensor, cos_sin: Tensor, positions: Tensor, slot_mapping: Tensor,
+                  k_cache: Tensor, v_cache: Tensor, num_heads: int) -> Tensor:
+    """The fused layer's rotary and KV write in one kernel: qkv [T, (H + 2 Hkv) hd] (the fused
+    projection's output, q then k then v heads), cos_sin [max_pos, hd] fp32 (cos of each
+    position in the first half, sin in the second) -> rotated q [T, H, hd]; the rotated k and
+    v are written at `slot_mapping` (-1: skipped). Rotate-half layout, products in fp32,
+    rounded once to the model dtype."""
+    num_tokens, width = qkv.shape
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    assert width == (num_heads + 2 * num_kv_heads) * head_dim and qkv.stride(1) == 1
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and cos_sin.is_contiguous()
+    q = torch.empty((num_tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    if num_tokens == 0:
+        return q
+    half = head_dim // 2
+    _rope_write_kv_kernel[(num_tokens,)](
+        qkv, cos_sin, positions, slot_mapping, q, k_cache, v_cache,
+        qkv.stride(0), q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
+        HALF_P=next_pow2(half), HEADS_P=next_pow2(num_heads), KV_HEADS_P=next_pow2(num_kv_heads),
+        num_warps=4,
+    )
+    return q
 
 
 @triton.jit
@@ -183,7 +253,15 @@ def _unified_attention_kernel(
     kv_end = seq_len - q_len + tl.minimum(local * BLOCK_Q + BLOCK_Q, q_len)
     table_row = block_table_ptr + seq.to(tl.int64) * stride_bt
     head_off = kv_head * stride_ch
-    for start_n in range(0, kv_end, TILE_N):
+    # Keys every row sees (0 .. the first query's position): whole tiles of them need no
+    # causal mask; only the tiles from there to kv_end cross the diagonal.
+    num_full = (seq_len - q_len + local * BLOCK_Q + 1) // TILE_N * TILE_N
+    for start_n in range(0, num_full, TILE_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, start_n, kv_end, q_pos,
+            k_cache_ptr, v_cache_ptr, table_row, head_off, stride_cs, scale_log2,
+            HEAD_DIM, HEAD_DIM_P, BLOCK_SIZE, TILE_N, CAUSAL=False, PRECISION=PRECISION)
+    for start_n in range(num_full, kv_end, TILE_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, start_n, kv_end, q_pos,
             k_cache_ptr, v_cache_ptr, table_row, head_off, stride_cs, scale_log2,
