@@ -12,12 +12,12 @@ chosen shape itself, then measures, each against its reference:
   lives and its time to first token, tokenflow's scheduler vs prefill-first;
 - fp32 greedy equality with transformers on the same device, on a small model;
 - the controller's share of a step, in-process: stepping one step at a time (schedule +
-  apply vs the worker's execute) and with async scheduling (controller/pipeline.py: the
-  next step planned while one runs, launched when it ends, its result applied while the
+  apply vs the worker's execute) and with async scheduling (controller/step_loop.py:
+  the next step planned while one runs, launched when it ends, its result applied while the
   next runs), where the share is the step's wall time the device did not spend on it;
 - the torch profiler's top ops for one step of each kind.
 
-No Ray, no pydantic: the controller core and the worker are driven directly (`run_step`).
+No Ray, no pydantic: the controller core and the worker are driven directly (`StepLoop`).
 `--quick` runs the same code on tiny shapes (CPU, seconds); tests/test_gpu_bench.py runs it
 with Ray and pydantic imports blocked.
 """
@@ -45,12 +45,12 @@ import torch
 from benchmarks.policy_scene import plot_scene, run_scenes, scene_metrics
 from benchmarks.policy_workloads import SceneSpec, random_prompt
 from benchmarks.virtual_time import VirtualClock
-from controller.core import ControllerCore, PoolSpec
+from controller.core import ControllerCore
 from controller.messages import SamplingParams, StepPlan, StepResult
-from controller.pipeline import StepPipeline
-from controller.policies import make_scheduler_class
+from controller.options import CacheConfig, ControllerOptions, WorkerConfig
 from controller.request import RequestOutput
 from controller.scheduler import SchedulerConfig
+from controller.step_loop import StepLoop
 from workers.hardware import measure_memory_bandwidth
 from workers.presets import PresetSpec, build_tokenizer, preset_config_dict
 from workers.worker import Worker
@@ -153,20 +153,19 @@ class BenchEngine:
     def __init__(self, worker: Worker, policy: str, budget: int, chunk: int | None = None,
                  clock: Callable[[], float] | None = None, is_async: bool = False) -> None:
         self.worker = worker
-        config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=512,
-                                 max_chunk_tokens=chunk)
         # No prefix caching: measurements repeat prompts and a hit would skip their prefill.
-        pool = PoolSpec(worker.num_kv_blocks, worker.block_size, enable_prefix_caching=False)
-        self.core = ControllerCore(
-            [pool], config, eos_token_ids=tuple(worker.eos_token_ids),
-            max_model_len=worker.model_config.max_model_len, vocab_size=worker.vocab_size,
-            clock=clock or time.monotonic, scheduler_cls=make_scheduler_class(policy))
+        options = ControllerOptions(
+            worker=WorkerConfig(max_model_len=worker.max_model_len),
+            cache=CacheConfig(block_size=worker.block_size, num_kv_blocks=worker.num_kv_blocks,
+                              enable_prefix_caching=False),
+            scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=512,
+                                      max_chunk_tokens=chunk, scheduling_policy=policy))
+        self.core = ControllerCore.for_workers(options, [worker], clock or time.monotonic)
         self.step_log: list[tuple[StepPlan, StepResult]] = []
         self.keep_step_log = False
         self.timings: list[StepTiming] = []
-        # Async scheduling (controller/pipeline.py), as LocalEngine runs it.
-        self.pipeline = StepPipeline(self.core, 0, worker.launch, worker.wait) \
-            if is_async else None
+        # Serial or async scheduling (controller/step_loop.py), as LocalEngine runs it.
+        self.loop = StepLoop(self.core, 0, worker.launch, worker.wait, is_ahead=is_async)
 
     @property
     def scheduler(self):  # the single worker's scheduler
@@ -180,43 +179,24 @@ class BenchEngine:
         return self.core.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        if self.pipeline is not None:
-            start = time.perf_counter()
-            done = self.pipeline.step()
-            wall = time.perf_counter() - start
-            if done.result is not None:
-                self.timings.append(StepTiming(done.plan_ahead_s, done.result.elapsed_s,
-                                               done.apply_s, wall))
-                if self.keep_step_log and done.plan is not None:
-                    self.step_log.append((done.plan, done.result))
-            return done.outputs
-        outputs, plan, result, timing = run_step(self.core, self.worker)
-        self.timings.append(timing)
-        if self.keep_step_log:
-            self.step_log.append((plan, result))
-        return outputs
+        start = time.perf_counter()
+        done = self.loop.step()
+        wall = time.perf_counter() - start
+        if done.result is not None:
+            # Serially the worker's launch and wait; async, the step's own elapsed_s.
+            self.timings.append(StepTiming(done.plan_s, done.result.elapsed_s, done.apply_s,
+                                           wall) if self.loop.is_ahead else
+                                StepTiming(done.plan_s, done.execute_s, done.apply_s))
+            if self.keep_step_log and done.plan is not None:
+                self.step_log.append((done.plan, done.result))
+        return done.outputs
 
     def has_work(self) -> bool:
-        return self.pipeline.has_work() if self.pipeline is not None \
-            else self.core.has_work(0)
+        return self.loop.has_work()
 
     def run_to_completion(self) -> None:
         while self.has_work():
             self.step()
-
-
-def run_step(core: ControllerCore, worker: Worker,
-             ) -> tuple[list[RequestOutput], StepPlan, StepResult, StepTiming]:
-    """One step through the core's step verb, timed by part: plan (events included),
-    the worker's execute, apply (events included)."""
-    t0 = time.perf_counter()
-    plan = core.begin_step(0)
-    t1 = time.perf_counter()
-    result = worker.execute(plan)
-    t2 = time.perf_counter()
-    outputs = core.finish_step(0, plan, result)
-    t3 = time.perf_counter()
-    return outputs, plan, result, StepTiming(t1 - t0, t2 - t1, t3 - t2)
 
 
 # -- checkpoint ----------------------------------------------------------------------------
@@ -326,8 +306,7 @@ def _decoding_engine(worker: Worker, num: int, context: int, max_tokens: int, ta
 
 
 def _abort_all(engine: BenchEngine) -> None:
-    if engine.pipeline is not None:
-        engine.pipeline.drain()  # the step still on the device
+    engine.loop.drain()  # the step still on the device (async)
     for request_id in list(engine.scheduler.requests):
         engine.core.abort(request_id)
 

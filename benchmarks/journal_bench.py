@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from controller.journal import Journal, JournalConfig, JournalStats
-from controller.messages import SamplingParams
-from controller.request import Request, RequestOutput
+from controller.messages import RequestOutput, SamplingParams
+from controller.request import Request
 
 STEP_S = 3e-3
 NUM_REQUESTS = 64

@@ -20,10 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.standin_worker import StandInWorkerActor
-from controller.core import ControllerCore, PoolSpec
+from controller.core import ControllerCore
 from controller.messages import SamplingParams
+from controller.options import CacheConfig, ControllerOptions
 from controller.request_metrics import MetricsSnapshot, RequestMetrics
 from controller.scheduler import SchedulerConfig
+from controller.step_loop import StepLoop
 
 NUM_WORKERS = 4
 NUM_RUNNING = 256
@@ -32,23 +34,26 @@ TARGET_MS = 50.0
 
 
 def _loaded_core() -> tuple[ControllerCore, RequestMetrics]:
-    core = ControllerCore([PoolSpec(4096, 16) for _ in range(NUM_WORKERS)],
-                          SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=128),
-                          clock=time.monotonic)
-    workers = [StandInWorkerActor("builtin:tiny", 4096, 16) for _ in range(NUM_WORKERS)]
+    options = ControllerOptions(
+        cache=CacheConfig(block_size=16, num_kv_blocks=4096),
+        scheduler=SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=128))
+    workers = [StandInWorkerActor(options.worker, options.cache) for _ in range(NUM_WORKERS)]
+    core = ControllerCore.for_workers(options, [w.info() for w in workers], time.monotonic)
     metrics = RequestMetrics()
     params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
     for i in range(NUM_RUNNING):
         request = core.add_request([3 + (i * 7 + j) % 400 for j in range(64)], params,
                                    tenant=f"tenant-{i % NUM_TENANTS}")
         metrics.on_admit(request)
+    loops = [StepLoop.serial(core, w, worker.execute) for w, worker in enumerate(workers)]
+
     def num_decoding() -> int:
         return sum(r.is_decoding for w in range(NUM_WORKERS)
                    for r in core.scheduler(w).running)
 
     for _ in range(500):  # prefill (a few chunks a step) until every request decodes
-        for w, worker in enumerate(workers):
-            for out in core.step(w, worker.execute):
+        for loop in loops:
+            for out in loop.step().outputs:
                 metrics.on_output(out, core.clock())
         if num_decoding() == NUM_RUNNING:
             break

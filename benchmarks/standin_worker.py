@@ -16,6 +16,7 @@ import random
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 from controller.messages import (
     ChunkComplete,
@@ -25,7 +26,7 @@ from controller.messages import (
     encode_message,
 )
 from workers.actor import WorkerInfo, WorkerRestartedError
-from workers.step_gate import StepGate
+from workers.step_gate import WORKER_MAX_CONCURRENCY, StepGate
 
 STEP_S = 0.003  # a decode step of a 1B model on an H200, as the GPU path targets
 
@@ -40,18 +41,18 @@ class _State:
 
 
 class StandInWorkerActor:
-    def __init__(self, model: str, num_kv_blocks: int, block_size: int, dtype: str = "float32",
-                 seed: int = 0, device: str = "auto", telemetry: bool = True,
-                 peak_bandwidth_bytes_s: float | None = None, **device_options: object
-                 ) -> None:
-        # `device_options` (attention backend, CUDA graphs): nothing runs on a device here.
+    MAX_CONCURRENCY = WORKER_MAX_CONCURRENCY  # as `WorkerActor`: the same two-call overlap
+
+    def __init__(self, section: Any, cache: Any) -> None:
+        """The `worker:` and `cache:` sections, as `WorkerActor` takes them; of the worker's
+        settings only the model and the seed matter: nothing runs on a device here."""
         from workers.model_config import ModelConfig
         from workers.presets import resolve_model
 
-        self.model_path = resolve_model(model)
+        self.model_path = resolve_model(section.model)
         self.config = ModelConfig.from_file(self.model_path / "config.json")
-        self.num_kv_blocks, self.block_size = num_kv_blocks, block_size
-        self.rng = random.Random(seed)
+        self.num_kv_blocks, self.block_size = cache.num_kv_blocks, cache.block_size
+        self.rng = random.Random(section.seed)
         self.states: dict[str, _State] = {}
         self.gate = StepGate()
         self.incarnation = uuid.uuid4().hex

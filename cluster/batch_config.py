@@ -36,9 +36,11 @@ class BatchConfig:
         "faster with its worker on one thread than on two, 1,742 vs 1,570 tok/s in one "
         "run); None keeps worker.num_threads' default (the CPUs Ray reserves for the "
         "worker)."))
-    ready_wait_s: float = setting(600.0, gt=0, description=(
+    start_timeout_s: float = setting(600.0, gt=0, description=(
         "How long a batch job on the cluster waits for the controller's workers to come up "
-        "(a job that starts its own controller loads the model first)."))
+        "(a job that starts its own controller loads the model first). Was "
+        "batch.ready_wait_s, renamed: cluster.ready_wait_s is another wait (a request's for "
+        "the controller's answer)."))
     rows_per_shard: int = setting(10_000, ge=1, description=(
         "Output lines per shard file of `--ray-data` (a shard is closed and listed in the "
         "manifest when full)."))

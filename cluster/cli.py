@@ -31,9 +31,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cluster.budget_file import load_budget_table, validate_budget
 from cluster.config import TokenflowConfig
 from controller.budget import QUICK_RUN, BudgetTable
+from workers.budget_file import load_budget_table, validate_budget
 
 
 def _ints(text: str) -> tuple[int, ...]:

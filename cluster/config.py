@@ -33,8 +33,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from cluster.batch_config import BatchConfig
 from cluster.metrics import MetricsConfig
-from controller.budget import AutoBudget, BudgetFit, BudgetTable, CalibrationGrid, LinearStepCost
-from controller.core import DegradedConfig
+from controller.budget import AutoBudget, BudgetFit, BudgetTable, CalibrationGrid
 from controller.flow import FlowConfig
 from controller.journal import JournalConfig
 from controller.options import (
@@ -44,9 +43,10 @@ from controller.options import (
     WorkerConfig,
     budgeted_scheduler,
 )
-from controller.protections import CostModel, ProtectionConfig, per_token_cost_model
+from controller.protections import ProtectionConfig
+from controller.recovery import RecoveryConfig
 from controller.scheduler import SchedulerConfig
-from controller.worker_loop import RecoveryConfig
+from controller.worker_state import DegradedConfig
 
 ENV_PREFIX = "TOKENFLOW_"
 # Comma-separated `KEY[:TENANT[:MIN_PRIORITY:MAX_PRIORITY]]` entries (a Kubernetes secret
@@ -243,6 +243,14 @@ class EdgeConfig(BaseModel):
     detokenize_in_thread_tokens: int = Field(16, ge=1, description=(
         "A delta of at least this many tokens is detokenized on the text threads (smaller "
         "ones cost less than the hand-off)."))
+    reconnect_backoff_s: float = Field(0.05, gt=0, description=(
+        "First wait before the edge subscribes to a restarted controller again; doubles up "
+        "to reconnect_backoff_max_s."))
+    reconnect_backoff_max_s: float = Field(1.0, gt=0, description=(
+        "Longest wait between the edge's tries to reach a restarted controller."))
+    reconnect_timeout_s: float = Field(120.0, ge=0, description=(
+        "How long the edge keeps trying to reach a restarted controller before every open "
+        "request fails."))
 
     @model_validator(mode="after")
     def _check(self) -> EdgeConfig:
@@ -348,7 +356,7 @@ class TokenflowConfig(BaseSettings):
         cal = self.calibration
         if cal.budget_file is None:
             return None
-        from cluster.budget_file import check_model, load_budget_table
+        from workers.budget_file import check_model, load_budget_table
 
         table = load_budget_table(cal.budget_file)
         if not cal.allow_other_model:
@@ -391,20 +399,6 @@ class TokenflowConfig(BaseSettings):
             return dataclasses.replace(self.scheduler)
         return budgeted_scheduler(self.scheduler, table, self.budget_fit(), self.cache)
 
-    def cost_model(self, table: BudgetTable | None = None) -> CostModel:
-        """predict(tokens, context) -> s: the budget table's fitted model when there is one
-        (deviation warnings and budget_score then compare against measurements)."""
-        if table is None:
-            return per_token_cost_model(self.protections.seconds_per_token)
-        return table.step_cost().chunk_s
-
-    def step_cost(self, table: BudgetTable | None) -> tuple[LinearStepCost | None,
-                                                              float | None]:
-        """(the step cost model, the ITL SLO in seconds) the scheduler sizes chunks with."""
-        if table is None:
-            return None, None
-        return table.step_cost(), table.slo_ms(self.calibration.itl_slo_ms) / 1e3
-
     def controller_options(self) -> ControllerOptions:
         """What the controller actor takes (it does not import this module). Measures
         nothing: with calibration.auto, the controller has worker 0 load or measure the
@@ -413,7 +407,7 @@ class TokenflowConfig(BaseSettings):
             worker=self.worker, cache=self.cache, scheduler=self.scheduler_config(),
             flow=self.flow, protections=self.protections, degraded=self.degraded,
             cluster=self.cluster, recovery=self.recovery, journal=self.journal,
-            cost_model=self.cost_model(), auto_budget=self.auto_budget())
+            auto_budget=self.auto_budget())
         table = self.budget_table()
         if table is None:
             return options

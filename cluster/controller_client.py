@@ -24,6 +24,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterable
 from typing import Any, Protocol
 
+from cluster.config import EdgeConfig
 from controller.backoff import Backoff
 from controller.messages import Ack, Delta, FinishReason, SamplingParams
 from controller.request_metrics import MetricsSnapshot
@@ -58,9 +59,9 @@ def _unwrap(err: Exception) -> Exception:
 
 
 class RayControllerClient:
-    def __init__(self, handle: Any, reconnect_backoff_s: float = 0.05,
-                 reconnect_backoff_max_s: float = 1.0, reconnect_timeout_s: float = 120.0
-                 ) -> None:
+    def __init__(self, handle: Any, edge: EdgeConfig | None = None) -> None:
+        """`edge`: the `edge:` section, whose reconnect_* settings this client follows."""
+        edge = edge or EdgeConfig()
         self.handle = handle
         self._queues: dict[str, asyncio.Queue[Delta]] = {}  # unfinished request -> deltas
         self._num_delivered: dict[str, int] = {}  # unfinished request -> tokens queued
@@ -71,8 +72,8 @@ class RayControllerClient:
         self._pump_task: asyncio.Task[None] | None = None
         # Built here so that a bad value fails the constructor, not a later pump. One pump
         # runs at a time (a new one only once the last is done): it may own this state.
-        self.reconnect_backoff = Backoff(reconnect_backoff_s, reconnect_backoff_max_s)
-        self.reconnect_timeout_s = reconnect_timeout_s  # then every open request fails
+        self.reconnect_backoff = Backoff(edge.reconnect_backoff_s, edge.reconnect_backoff_max_s)
+        self.reconnect_timeout_s = edge.reconnect_timeout_s  # then every open request fails
         self.num_reconnects = 0
 
     async def model_info(self) -> dict[str, Any]:

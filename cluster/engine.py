@@ -13,12 +13,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from controller.budget import BudgetTable
-from controller.core import ControllerCore, PoolSpec
+from controller.core import ControllerCore
 from controller.gc_freeze import freeze_long_lived
-from controller.messages import FinishReason, SamplingParams, StepPlan, StepResult
-from controller.pipeline import StepPipeline
-from controller.policies import make_scheduler_class
-from controller.request import RequestOutput
+from controller.messages import FinishReason, RequestOutput, SamplingParams, StepPlan, StepResult
+from controller.step_loop import StepLoop
 
 if TYPE_CHECKING:  # pydantic stays out of importers that bring their own engine (gpu_bench)
     from cluster.config import TokenflowConfig
@@ -40,45 +38,27 @@ class LocalEngine:
     def __init__(self, config: TokenflowConfig | None = None,
                  clock: Callable[[], float] | None = None, **overrides: object):
         from cluster.config import TokenflowConfig
-        from workers.worker import Worker  # torch stays out of torch-free importers
+        from workers.worker import build_worker  # torch stays out of torch-free importers
 
         self.config = config or TokenflowConfig(**overrides)  # type: ignore[arg-type]
         cfg = self.config
-        wcfg, cache = cfg.worker, cfg.cache
-        self.worker = Worker(wcfg.model, num_kv_blocks=cache.num_kv_blocks,
-                             block_size=cache.block_size, dtype=wcfg.dtype, seed=wcfg.seed,
-                             device=wcfg.device, attention_backend=wcfg.attention_backend,
-                             cuda_graphs=wcfg.cuda_graphs, max_graph_batch=wcfg.max_graph_batch,
-                             num_threads=wcfg.num_threads)
-        if wcfg.telemetry:
-            from workers.telemetry import make_source
-
-            self.worker.telemetry = make_source(str(self.worker.device),
-                                                wcfg.peak_bandwidth_bytes_s)
-        table = cfg.budget_table()
-        auto = cfg.auto_budget()
-        if table is None and auto is not None:  # measured on this engine's own worker
+        wcfg = cfg.worker
+        self.worker = build_worker(wcfg, cfg.cache)
+        options = cfg.controller_options()  # with a budget file's table applied
+        auto = options.auto_budget
+        if auto is not None:  # measured on this engine's own worker, as the actor's worker 0
             from workers.auto_budget import worker_budget_table
 
             result = worker_budget_table(self.worker, wcfg.model, wcfg.dtype, auto,
                                          progress=True)
             self.worker.reset()
-            table = BudgetTable(result.data)
-        scheduler = cfg.scheduler_config(table)
-        step_cost, itl_slo_s = cfg.step_cost(table)
-        self.core = ControllerCore(
-            [PoolSpec(cache.num_kv_blocks, cache.block_size, cache.enable_prefix_caching)],
-            scheduler, eos_token_ids=tuple(self.worker.eos_token_ids),
-            max_model_len=wcfg.max_model_len, max_queue_len=cfg.protections.max_queue_len,
-            vocab_size=self.worker.vocab_size, clock=clock or time.monotonic,
-            flow_config=cfg.flow, protection_config=cfg.protections,
-            cost_model=cfg.cost_model(table), degraded_config=cfg.degraded,
-            scheduler_cls=make_scheduler_class(scheduler.scheduling_policy),
-            step_cost=step_cost, itl_slo_s=itl_slo_s)
+            options = options.with_budget_table(BudgetTable(result.data), auto.fit)
+        self.options = options
+        self.core = ControllerCore.for_workers(options, [self.worker], clock or time.monotonic)
         # scheduler.async_scheduling: the next step is planned and launched while the
-        # worker runs the current one (controller/pipeline.py); else one step at a time.
-        self.pipeline = StepPipeline(self.core, 0, self.worker.launch, self._wait) \
-            if scheduler.async_scheduling else None
+        # worker runs the current one (controller/step_loop.py); else one step at a time.
+        self.loop = StepLoop(self.core, 0, self.worker.launch, self._wait,
+                             is_ahead=options.scheduler.async_scheduling)
         self._pending: dict[str, deque[RequestOutput]] = defaultdict(deque)
         self.step_log: list[tuple[StepPlan, StepResult]] = []  # kept only when asked
         self.keep_step_log = False
@@ -104,12 +84,7 @@ class LocalEngine:
     def step(self) -> list[RequestOutput]:
         """One scheduler step on the worker; returns the deltas it produced. With async
         scheduling: the deltas of the step that was running, the next one launched."""
-        if self.pipeline is not None:
-            return self.pipeline.step().outputs
-        return self.core.step(0, self._execute)
-
-    def _execute(self, plan: StepPlan) -> StepResult:
-        return self._wait(self.worker.launch(plan))
+        return self.loop.step().outputs
 
     def _wait(self, pending: PendingStep) -> StepResult:
         result = self.worker.wait(pending)
@@ -122,12 +97,11 @@ class LocalEngine:
 
     def has_work(self) -> bool:
         """Something to step: a request to advance, or a step still running."""
-        return self.pipeline.has_work() if self.pipeline is not None \
-            else self.core.has_work(0)
+        return self.loop.has_work()
 
     def drain(self) -> list[RequestOutput]:
         """Finish the step still running (async scheduling), launching nothing after it."""
-        return self.pipeline.drain() if self.pipeline is not None else []
+        return self.loop.drain()
 
     def stream(self, request_id: str) -> Iterator[RequestOutput]:
         """Deltas of one request; steps the engine as needed (others' deltas are kept)."""

@@ -172,8 +172,8 @@ class Frontend:
         """The non-streaming OpenAI body of a finished request."""
         reason = openai_finish_reason(stream, finish_reason)
         return_ids = bool(prepared.request.return_token_ids)
-        args = dict(request_id=request_id, model=self.config.worker.model_name,
-                    created=int(time.time()), text=stream.text, finish_reason=reason,
+        args = dict(head=p.Head(request_id, self.config.worker.model_name, int(time.time())),
+                    text=stream.text, finish_reason=reason,
                     prompt_len=len(prepared.prompt_token_ids),
                     completion_len=len(stream.token_ids),
                     token_ids=stream.token_ids if return_ids else None,

@@ -40,6 +40,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster import protocol as p
+from cluster.answers import collect, failed_message, sse_events
 from cluster.auth import Authenticator
 from cluster.config import TokenflowConfig, api_keys_from_env
 from cluster.controller_client import ControllerClient, RayControllerClient
@@ -48,20 +49,16 @@ from cluster.frontend import (
     COMPLETIONS,
     Frontend,
     Prepared,
-    TextStream,
-    openai_finish_reason,
 )
 from cluster.metrics import CONTENT_TYPE, render
 from cluster.openapi import HEALTH, MODELS, openapi_spec
-from controller.core import NoWorkerUpError, QueueFullError
-from controller.messages import Delta, FinishReason
+from controller.messages import Delta
 from controller.request_metrics import CIRCUIT_BREAKER
+from controller.routing import NoWorkerUpError, QueueFullError
 from workers.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-# `abort(request_id)`, or `abort(request_id, FinishReason.STOP)` when a stop string matched.
-Abort = Callable[..., None]
 METRICS = "/metrics"
 
 
@@ -269,103 +266,6 @@ class OpenAIServer:
                                           code="unavailable"), request_id)
 
 
-def failed_message(error: str, request_id: str) -> str:
-    return f"the request failed ({error[:200]}): retry shortly (request id {request_id})"
-
-
-async def collect(frontend: Frontend, prepared: Prepared, request_id: str,
-                  deltas: AsyncIterator[Delta], abort: Abort
-                  ) -> tuple[TextStream, FinishReason | None, str | None]:
-    """Run one request to its end: (text, finish reason, error). Used for non-streaming
-    answers and by the remote batch runner."""
-    text = frontend.text_stream(prepared)
-    reason: FinishReason | None = None
-    try:
-        async for delta in deltas:
-            if delta.error:
-                reason = FinishReason.ABORT
-                return text, reason, delta.error
-            _, reason = await advance(frontend, text, delta,
-                                    lambda: abort(request_id, FinishReason.STOP))
-            if reason is not None:
-                break
-    finally:
-        if reason is None:  # cancelled (the client went away) or the stream broke
-            abort(request_id)
-    return text, reason, None
-
-
-async def advance(frontend: Frontend, text: TextStream, delta: Delta,
-                  abort: Callable[[], object]) -> tuple[str, FinishReason | None]:
-    """`text.advance` for one delta; a long delta (a stream that fell behind) is
-    detokenized on the frontend's pool. `abort` always runs here, on the event loop."""
-    if (frontend.executor is None
-            or text.num_to_decode(delta.token_ids, delta.finish_reason)
-            < frontend.config.edge.detokenize_in_thread_tokens):
-        return text.advance(delta.token_ids, delta.finish_reason, abort)
-    stopped: list[bool] = []
-    piece, reason = await asyncio.get_running_loop().run_in_executor(
-        frontend.executor, text.advance, delta.token_ids, delta.finish_reason,
-        lambda: stopped.append(True))
-    if stopped:
-        abort()
-    return piece, reason
-
-
-async def sse_events(frontend: Frontend, prepared: Prepared, request_id: str,
-                     deltas: AsyncIterator[Delta],
-                     abort: Abort) -> AsyncIterator[bytes]:
-    """Server-sent events of one request, ending in `data: [DONE]`. Chunks carry text
-    deltas (and the delta's token ids with `return_token_ids`); the last one carries the
-    finish reason; with `stream_options.include_usage` a usage chunk comes before [DONE]."""
-    req = prepared.request
-    model, created, chat = frontend.config.worker.model_name, int(time.time()), prepared.is_chat
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return_ids = bool(req.return_token_ids)
-    prompt_ids: list[int] | None = prepared.prompt_token_ids if return_ids else None
-    text = frontend.text_stream(prepared)
-    reason: FinishReason | None = None
-    try:
-        if chat:  # OpenAI's first chat chunk announces the role
-            yield p.sse(p.chat_completion_chunk(request_id, model, created, first=True,
-                                                prompt_token_ids=prompt_ids,
-                                                include_usage=include_usage))
-            prompt_ids = None
-        async for delta in deltas:
-            if delta.error:
-                reason = FinishReason.ABORT
-                logger.warning("request %s failed: %s", request_id, delta.error)
-                yield p.sse(p.error_body(p.ProtocolError(
-                    503, failed_message(delta.error, request_id), code="request_failed")))
-                break
-            piece, reason = await advance(frontend, text, delta,
-                                    lambda: abort(request_id, FinishReason.STOP))
-            if reason is not None:
-                reason = openai_finish_reason(text, reason)
-            ids = delta.token_ids if return_ids else None
-            if piece or ids or reason is not None:
-                if chat:
-                    chunk = p.chat_completion_chunk(request_id, model, created, piece or None,
-                                                    reason, token_ids=ids,
-                                                    include_usage=include_usage)
-                else:
-                    chunk = p.completion_chunk(request_id, model, created, piece, reason,
-                                               token_ids=ids, prompt_token_ids=prompt_ids,
-                                               include_usage=include_usage)
-                    prompt_ids = None
-                yield p.sse(chunk)
-            if reason is not None:
-                break
-        if include_usage:
-            yield p.sse(p.usage_chunk(request_id, model, created,
-                                      len(prepared.prompt_token_ids), len(text.token_ids),
-                                      chat=chat))
-        yield p.SSE_DONE
-    finally:
-        if reason is None:  # the client went away mid-stream (or the stream broke)
-            abort(request_id)
-
-
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     # Unknown paths and methods answer in OpenAI's error body too; a 405 keeps its Allow.
     err = p.ProtocolError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
@@ -431,7 +331,7 @@ class TokenflowIngress:
         edge = edge.model_copy(update={"api_keys": edge.api_keys + api_keys_from_env()})
         self.config = self.config.model_copy(update={"edge": edge})
         handle = get_or_create_controller(self.config.controller_options())
-        self.server = OpenAIServer(self.config, RayControllerClient(handle))
+        self.server = OpenAIServer(self.config, RayControllerClient(handle, self.config.edge))
         self.replica_id = serve.get_replica_context().replica_id.unique_id
 
     @app.post(COMPLETIONS)

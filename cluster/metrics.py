@@ -25,11 +25,11 @@ from prometheus_client.core import (
 )
 from prometheus_client.utils import floatToGoString
 
-from controller.core import WorkerStats
 from controller.flow import Mode
 from controller.histogram import HistogramSnapshot
 from controller.request_metrics import CIRCUIT_BREAKER, QUEUE_FULL, MetricsSnapshot
 from controller.settings import FORBID_EXTRA, check_settings, setting
+from controller.worker_stats import WorkerStats
 
 PREFIX = "tokenflow_"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -33,7 +33,7 @@ from cluster.batch_io import (
 )
 from cluster.config import TokenflowConfig
 from cluster.frontend import Frontend, Prepared
-from controller.core import NoWorkerUpError, QueueFullError
+from controller.routing import NoWorkerUpError, QueueFullError
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def run_remote(lines: Iterable[str], out: TextIO, config: TokenflowConfig,
     started = time.perf_counter()
     if controller is None:
         controller = connect_controller(config)
-    server = OpenAIServer(config, RayControllerClient(controller))
+    server = OpenAIServer(config, RayControllerClient(controller, config.edge))
     try:
         return asyncio.run(_run(server, iter(lines), out, done_ids, progress, started))
     finally:
@@ -90,7 +90,7 @@ async def _run(server: Any, lines: Iterator[str], out: TextIO, done_ids: set[str
     in flight: reading the input, preparing requests and writing answers run on threads."""
     # A controller the job just started is loading its model: wait longer than the
     # online edge would before giving up.
-    await asyncio.wait_for(server.client.model_info(), server.config.batch.ready_wait_s)
+    await asyncio.wait_for(server.client.model_info(), server.config.batch.start_timeout_s)
     frontend: Frontend = await server.frontend()
     counts = new_counts()
     counts["startup_ms"] = round(1e3 * (time.perf_counter() - started))
@@ -162,7 +162,7 @@ async def _run(server: Any, lines: Iterator[str], out: TextIO, done_ids: set[str
 
 async def _generate(server: Any, frontend: Frontend, prepared: Prepared) -> dict[str, Any]:
     """One request to its OpenAI response body; ProtocolError for a refused or failed one."""
-    from cluster.ingress import collect
+    from cluster.answers import collect
 
     client = server.client
     request_id = p.new_chat_completion_id() if prepared.is_chat else p.new_completion_id()

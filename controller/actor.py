@@ -1,18 +1,19 @@
 """The controller as an async Ray actor: `ControllerCore` plus one step loop per worker actor.
 
-Each worker has its own asyncio task: drain events, `schedule(w)`, await the worker's
-`execute`, `apply(w, plan, result)`, hand the deltas to the subscribers. The tasks share
-nothing but the core, which is only touched between awaits, so the single-threaded event loop
-is the lock; a slow worker only delays its own loop. A loop with nothing to do parks on an
+A thin RPC facade: start-up (controller/startup.py: spawning the workers, the budget),
+resume after a restart (controller/resume.py: the journal), the streams toward the edge
+(controller/streams.py) and one `WorkerSlot` per worker actor (controller/worker_loop.py),
+whose step loop is an asyncio task: plan (the core handles queued events first), await the
+worker's step, apply, hand the outputs to the streams. The tasks share nothing but the
+core, which is only touched between awaits, so the single-threaded event loop is the lock;
+a slow worker only delays its own loop. A loop with nothing to do parks on an
 `asyncio.Event` that `submit`, `abort` and event producers set: no polling.
 
 One streaming protocol toward the edge, multiplexed: a consumer (an ingress replica, a batch
 runner) opens one `subscribe` stream that carries the `Delta`s of all its requests (a
 `DeltaBatch` per step), and admits each request with a plain `submit` call, which answers
 with an `Ack` or raises (ValueError: never runnable; QueueFullError: 429). Deltas that pile
-up while a consumer is slow are merged, never dropped (controller/streams.py). The worker
-actor class is named by an import path (`ControllerOptions.worker_cls`) so the controller
-has no static dependency on torch code; tests inject a `worker_factory` instead.
+up while a consumer is slow are merged, never dropped (controller/streams.py).
 
 Controller failure: the workers are named, detached actors, so they outlive the controller;
 Ray restarts the controller (`cluster.controller_max_restarts`), which reattaches to them,
@@ -29,99 +30,39 @@ import asyncio
 import contextlib
 import contextvars
 import dataclasses
-import importlib
 import inspect
 import logging
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import ray
 
-from controller.budget import AutoBudgetResult, BudgetTable
-from controller.core import ControllerCore, NoWorkerUpError, PoolSpec, QueueFullError
+from controller.core import ControllerCore
 from controller.gc_freeze import freeze_long_lived
-from controller.journal import Journal, JournalRecord
-from controller.messages import Ack, DeltaBatch, FinishReason, SamplingParams, StepResult
+from controller.journal import Journal
+from controller.messages import Ack, DeltaBatch, FinishReason, SamplingParams
 from controller.options import ControllerOptions
-from controller.policies import make_scheduler_class
-from controller.request import Request, RequestOutput, RequestStatus
-from controller.request_metrics import QUEUE_FULL, MetricsSnapshot, RequestMetrics
-from controller.streams import Subscriber
+from controller.request import Request
+from controller.request_metrics import QUEUE_FULL, MetricsSnapshot
+from controller.resume import Resume
+from controller.routing import QueueFullError
+from controller.startup import (
+    CONTROLLER_NAME,
+    Startup,
+    WorkerFactory,
+    kill_actor,
+    kill_for_good,
+    start_worker_actors,
+    worker_name,
+)
+from controller.streams import Streams
 from controller.transport import make_transport
 from controller.worker_loop import WorkerSlot
-from workers.step_gate import WORKER_MAX_CONCURRENCY
 
 logger = logging.getLogger(__name__)
-CONTROLLER_NAME = "tokenflow-controller"
-
-
-def start_worker_actors(opts: ControllerOptions) -> list[Any]:
-    """The default `WorkerFactory`: one worker actor per GPU, else `num_workers` on CPU."""
-    module, _, name = opts.worker_cls.partition(":")
-    worker_cls = ray.remote(getattr(importlib.import_module(module), name))
-    wcfg, cache = opts.worker, opts.cache
-    use_gpu = wcfg.device != "cpu" and ray.cluster_resources().get("GPU", 0) >= 1
-    num_workers = int(ray.cluster_resources()["GPU"]) if use_gpu else wcfg.num_workers
-    resources = {"num_gpus": 1 if use_gpu else 0, "num_cpus": opts.cluster.worker_num_cpus}
-    # Named and detached: a worker outlives the controller, and a restarted controller gets
-    # the running one back (get_if_exists) instead of loading the model again.
-    return [worker_cls.options(name=worker_name(i), namespace=opts.cluster.namespace,
-                               get_if_exists=True, lifetime="detached",
-                               max_restarts=opts.cluster.worker_max_restarts,
-                               max_concurrency=WORKER_MAX_CONCURRENCY, **resources).remote(
-        wcfg.model, cache.num_kv_blocks, cache.block_size, wcfg.dtype, wcfg.seed,
-        "cuda" if use_gpu else "cpu", wcfg.telemetry, wcfg.peak_bandwidth_bytes_s,
-        attention_backend=wcfg.attention_backend, cuda_graphs=wcfg.cuda_graphs,
-        max_graph_batch=wcfg.max_graph_batch,
-        # Only when set: a worker class of a test or benchmark need not take it.
-        **({} if wcfg.num_threads is None else {"num_threads": wcfg.num_threads}))
-        for i in range(num_workers)]
-
-
-def worker_name(index: int) -> str:
-    return f"{CONTROLLER_NAME}-worker-{index}"
-
-
-# While workers start, how often the controller says what it is waiting for.
-_STARTUP_LOG_EVERY_S = 10.0
-_BUDGET_WAIT = ("worker 0 loads or measures the step budget table ({:.0f} s so far; the "
-                "table is cached for later starts)")
-
-
-def _pending_resources(opts: ControllerOptions, num_workers: int) -> str:
-    """What the unstarted worker actors wait for, in words an operator can act on."""
-    use_gpu = opts.worker.device != "cpu" and ray.cluster_resources().get("GPU", 0) >= 1
-    need = {"GPU": 1.0} if use_gpu else {"CPU": opts.cluster.worker_num_cpus}
-    available = ray.available_resources()
-    have = {k: round(available.get(k, 0.0), 3) for k in need}
-    if all(have[k] >= need[k] for k in need):
-        return f"{num_workers} worker actor(s) loading the model"
-    return (f"{num_workers} worker actor(s) wait for resources: each needs {need}, the "
-            f"cluster has {have} available (`ray status` shows the pending demand)")
-
-
-def _kill_actor(handle: Any) -> None:
-    """Kill a failed or hung worker actor; Ray restarts it (max_restarts permitting)."""
-    try:
-        ray.kill(handle, no_restart=False)
-    except Exception as err:  # already dead: Ray is restarting it or gave up on it
-        logger.warning("could not kill worker: %s", err)
-
-
-# Starts the workers for the given options and returns their handles; each handle has
-# `info.remote()`, `execute.remote(plan, incarnation)` and `held_block_ids.remote()`.
-WorkerFactory = Callable[[ControllerOptions], Awaitable[list[Any]] | list[Any]]
-
-
-@dataclasses.dataclass
-class _Unclaimed:
-    """A request resumed from the journal that no consumer has claimed yet: its tokens
-    (journaled and new) wait here for `resume`."""
-
-    num_prompt_tokens: int
-    token_ids: list[int]
-    last: RequestOutput | None = None
+__all__ = ["CONTROLLER_NAME", "ControllerActor", "RemoteController", "WorkerFactory",
+           "get_or_create_controller", "start_worker_actors", "worker_name"]
 
 
 class ControllerActor:
@@ -130,31 +71,20 @@ class ControllerActor:
                  kill_worker: Callable[[Any], None] | None = None) -> None:
         self.options = options
         self.worker_factory = worker_factory or start_worker_actors
-        self.kill_worker = kill_worker or _kill_actor
+        self.kill_worker = kill_worker or kill_actor
         self.core: ControllerCore | None = None
         self.slots: list[WorkerSlot] = []
         self.vocab_size = 0
         self.max_model_len = options.worker.max_model_len
-        self._subscribers: dict[str, Subscriber] = {}
-        self._subscriber_of: dict[str, Subscriber] = {}  # request id -> its subscriber
         self.num_aborted = 0  # requests that were still unfinished when aborted
         self._start_task: asyncio.Task[None] | None = None
-        self.waiting_for: str | None = None  # why startup has not finished, once it is slow
-        self._num_starting = 0  # worker actors created, not yet answering
-        self._budget_started: float | None = None  # loop time worker 0 was asked for a table
-        # Where the step budget came from: "file" (the driver loaded it), "cache" or
-        # "measured" (worker 0), "fixed" (no table); see `model_info`.
-        self.budget_source: dict[str, Any] = {
-            "source": "fixed" if options.step_cost is None else "file",
-            "max_num_batched_tokens": options.scheduler.max_num_batched_tokens}
-        self.request_metrics = RequestMetrics()  # latencies measured where deltas leave
-        self.journal: Journal | None = None
-        self.num_resumed = 0  # requests re-queued from the journal at start
-        self.num_resumed_streams = 0  # of those, claimed by a consumer's `resume`
-        self._unclaimed: dict[str, _Unclaimed] = {}
-        # request id -> tokens its consumer already has beyond what the journal held (the
-        # recomputation produces them again; they are not sent twice)
-        self._num_to_skip: dict[str, int] = {}
+        self.startup = Startup(options)
+        self.resumer = Resume(options)
+        self.streams = Streams(self.resumer, self._wake_workers)
+
+    @property
+    def journal(self) -> Journal | None:
+        return self.resumer.journal
 
     # -- startup ------------------------------------------------------------------------
     async def _started(self) -> ControllerCore:
@@ -175,166 +105,33 @@ class ControllerActor:
         handles = self.worker_factory(opts)
         if inspect.isawaitable(handles):
             handles = await handles
-        self._num_starting = len(handles)
-        wcfg, cache = opts.worker, opts.cache
-        infos_task = asyncio.gather(*(h.info.remote() for h in handles))
-        while True:  # a worker actor that waits for resources must not wait in silence
-            done, _ = await asyncio.wait({infos_task}, timeout=_STARTUP_LOG_EVERY_S)
-            if done:
-                break
-            self.waiting_for = _pending_resources(opts, len(handles))
-            logger.warning("controller still starting: %s", self.waiting_for)
-        infos = infos_task.result()
-        self.waiting_for = None
-        # Workers that outlived an earlier controller still hold its requests.
-        num_held = await asyncio.gather(*(h.reset.remote() for h in handles))
-        if any(num_held):
-            logger.warning("reattached to workers holding %s requests of an earlier controller",
-                           num_held)
+        infos = await self.startup.workers_ready(handles, opts)
         if opts.auto_budget is not None:
             # Before any scheduler exists: the budget it runs with is worker 0's table.
-            self.options = opts = await self._auto_budget(handles[0], opts)
-        records = await self._open_journal()
+            self.options = opts = await self.startup.auto_budget(handles[0], opts)
+        records = await self.resumer.open_journal()
+        self.core = ControllerCore.for_workers(opts, infos, asyncio.get_running_loop().time)
         self.vocab_size = infos[0].vocab_size
-        self.max_model_len = min([wcfg.max_model_len, *(i.max_model_len for i in infos)])
-        self.core = ControllerCore(
-            [PoolSpec(i.num_kv_blocks, i.block_size, cache.enable_prefix_caching)
-             for i in infos],
-            opts.scheduler, eos_token_ids=tuple(infos[0].eos_token_ids),
-            max_model_len=self.max_model_len, max_queue_len=opts.protections.max_queue_len,
-            vocab_size=self.vocab_size, clock=asyncio.get_running_loop().time,
-            flow_config=opts.flow, protection_config=opts.protections,
-            cost_model=opts.cost_model, degraded_config=opts.degraded,
-            scheduler_cls=make_scheduler_class(opts.scheduler.scheduling_policy),
-            step_cost=opts.step_cost, itl_slo_s=opts.itl_slo_s)
+        self.max_model_len = self.core.max_model_len
         cluster = opts.cluster
-        self.slots = [WorkerSlot(w, h, info, self.core, self._deliver, kill=self.kill_worker,
+        self.slots = [WorkerSlot(w, h, info, self.core, self.streams, kill=self.kill_worker,
                                  recovery=opts.recovery,
                                  transport=make_transport(
                                      cluster.worker_transport, h, info.incarnation,
                                      cluster.compiled_graph_probe_s,
                                      opts.recovery.ready_timeout_s, name=f"worker {w}"))
                       for w, (h, info) in enumerate(zip(handles, infos, strict=True))]
-        for slot in self.slots:
-            slot.on_requests_moved = self._wake_workers
-            slot.on_step = self._on_step
         # After `reset` and the budget table (ordinary calls): a graph would run steps
         # beside them. Compiling is sequential, the probes overlap.
         await asyncio.gather(*(s.transport.reopen(s.handle, s.info.incarnation)
                                for s in self.slots))
-        self._restore(records)
+        self.resumer.restore(self.core, records, self.slots, self._abort)
         freeze_long_lived("controller")  # no full collection of Ray's objects mid-step
         for slot in self.slots:
             slot.start()
         logger.info("controller started with %d workers on %s, %d requests resumed from the "
                     "journal", len(handles), ", ".join(sorted({i.device for i in infos})),
                     len(records))
-
-    async def _auto_budget(self, handle: Any, opts: ControllerOptions) -> ControllerOptions:
-        """`opts` on worker 0's budget table: loaded from its cache or measured on its device
-        (a short run, seconds to tens of seconds); fixed budgets when it fails."""
-        request = opts.auto_budget
-        assert request is not None
-        loop = asyncio.get_running_loop()
-        self._budget_started = started = loop.time()
-        try:
-            # Inside the guard: a worker class without the method raises here, at once.
-            answer = asyncio.gather(handle.budget_table.remote(request))
-            while True:  # a calibration must not run in silence either
-                done, _ = await asyncio.wait({answer}, timeout=_STARTUP_LOG_EVERY_S)
-                if done:
-                    break
-                self.waiting_for = _BUDGET_WAIT.format(loop.time() - started)
-                logger.warning("controller still starting: %s", self.waiting_for)
-            result: AutoBudgetResult = answer.result()[0]
-        except Exception as err:  # not a reason to serve nothing: the fixed budgets serve
-            logger.error("worker 0 could not load or measure the budget table, serving with "
-                         "the fixed budgets: %s: %s", type(err).__name__, err)
-            self.budget_source = {"source": "fixed", "error": f"{type(err).__name__}: {err}",
-                                  "max_num_batched_tokens": opts.scheduler.max_num_batched_tokens}
-            return dataclasses.replace(opts, auto_budget=None)
-        finally:
-            self.waiting_for, self._budget_started = None, None
-        resolved = opts.with_budget_table(BudgetTable(result.data), request.fit)
-        self.budget_source = {
-            "source": "measured" if result.is_measured else "cache", "path": result.path,
-            "pid": result.pid, "measure_s": result.measure_s,
-            "device_name": result.data["device_name"],
-            "threads": result.data["spec"]["threads"],
-            "max_num_batched_tokens": resolved.scheduler.max_num_batched_tokens}
-        logger.info("step budget from worker 0's table (%s, %s): max_num_batched_tokens %d",
-                    self.budget_source["source"], result.path,
-                    resolved.scheduler.max_num_batched_tokens)
-        return resolved
-
-    async def _open_journal(self) -> list[JournalRecord]:
-        """Start the journal (when Redis is configured) and read back what an earlier
-        controller left unfinished."""
-        url = self.options.cluster.redis_url
-        if not url:
-            return []
-        if self.journal is not None:  # a failed start is retried: one writer thread only
-            self.journal.close()
-        self.journal = Journal(url, self.options.journal)
-        try:
-            return await asyncio.to_thread(self.journal.load_unfinished)
-        except Exception as err:  # Redis down: serve on, the earlier requests are lost
-            logger.error("could not read the journal, no request resumed: %s: %s",
-                         type(err).__name__, err)
-            return []
-
-    def _restore(self, records: list[JournalRecord]) -> None:
-        """Re-queue journaled requests to recompute under their own ids; their tokens wait
-        in `_unclaimed` until a consumer resumes them (or `resume_timeout_s` passes)."""
-        core = self.core
-        assert core is not None
-        restored = []
-        for record in records:
-            request = Request(record.request_id, record.prompt_token_ids, record.params,
-                              eos_token_ids=core.eos_token_ids, priority=record.priority,
-                              arrival_time=core.clock(), tenant=record.tenant,
-                              max_model_len=core.max_model_len,
-                              output_token_ids=list(record.output_token_ids))
-            unclaimed = _Unclaimed(request.num_prompt_tokens, list(record.output_token_ids))
-            self._unclaimed[record.request_id] = unclaimed
-            status = request.check_stop() if request.output_token_ids else None
-            error = None
-            if status is None:
-                try:
-                    worker = core.restore_request(request)
-                except (ValueError, NoWorkerUpError) as err:  # the configuration changed
-                    status, error = RequestStatus.FINISHED_ABORTED, f"cannot resume: {err}"
-            if status is not None:  # its last token ended it (the finish was not journaled)
-                unclaimed.last = RequestOutput(
-                    request.request_id, [], status.finish_reason, request.num_prompt_tokens,
-                    request.num_output_tokens, error=error)
-                if self.journal is not None:
-                    self.journal.restore([record])
-                    self.journal.record_output(unclaimed.last)
-                continue
-            self.slots[worker].num_routed += 1
-            restored.append(record)
-        if self.journal is not None:
-            self.journal.restore(restored)
-            self.journal.end_step()
-        self.num_resumed = len(records)
-        if records:
-            asyncio.get_running_loop().call_later(
-                self.options.journal.resume_timeout_s, self._abort_unclaimed)
-
-    def _abort_unclaimed(self) -> None:
-        """Nobody resumed these after a restart: their consumers are gone too."""
-        unclaimed, self._unclaimed = self._unclaimed, {}
-        if unclaimed:
-            logger.warning("aborting %d journaled requests nobody resumed", len(unclaimed))
-        for request_id in unclaimed:
-            self._abort(request_id)
-
-    def _on_step(self, result: StepResult) -> None:
-        if self.journal is not None:
-            self.journal.record_chunks(result.chunk_events)
-            self.journal.end_step()
-
 
     async def model_info(self) -> dict[str, Any]:
         await self._started()
@@ -343,7 +140,7 @@ class ControllerActor:
                 "eos_token_ids": list(info.eos_token_ids), "model_path": info.model_path,
                 "num_workers": len(self.slots), "devices": [s.info.device for s in self.slots],
                 "torch_threads": [s.info.torch_threads for s in self.slots],
-                "budget": dict(self.budget_source)}
+                "budget": dict(self.startup.budget_source)}
 
     # -- requests -----------------------------------------------------------------------
     def _admit(self, core: ControllerCore, prompt_token_ids: list[int],
@@ -363,16 +160,16 @@ class ControllerActor:
         """Admit a request whose deltas go to `subscribe(subscriber)`. Raises ValueError
         (never runnable) or QueueFullError (the queues are full) instead."""
         core = await self._started()
-        # Get-or-create: Ray may start this call before the subscriber's `subscribe`.
-        sub = self._subscribers.setdefault(subscriber, Subscriber())
+        sub = self.streams.subscriber(subscriber)
         # Idempotent by request id: a client whose submit was cut by a controller crash or
         # a broken connection sends it again, not knowing whether it was admitted.
-        if request_id in self._unclaimed:  # admitted and journaled before a restart
-            num_prompt_tokens = self._unclaimed[request_id].num_prompt_tokens
-            self._resume_one(core, sub, request_id, 0)
+        unclaimed = self.resumer.unclaimed.get(request_id)
+        if unclaimed is not None:  # admitted and journaled before a restart
+            num_prompt_tokens = unclaimed.num_prompt_tokens
+            self.streams.resume_stream(core, sub, request_id, 0)
             return Ack(request_id, core.request_to_worker.get(request_id, -1),
                        num_prompt_tokens)
-        if self._subscriber_of.get(request_id) is sub:  # admitted here already
+        if self.streams.subscriber_of.get(request_id) is sub:  # admitted here already
             worker = core.request_to_worker[request_id]
             request = core.scheduler(worker).requests[request_id]
             return Ack(request_id, worker, request.num_prompt_tokens)
@@ -380,27 +177,24 @@ class ControllerActor:
             request, worker = self._admit(core, prompt_token_ids, params, request_id,
                                           priority, tenant)
         except QueueFullError:
-            self.request_metrics.on_reject(QUEUE_FULL)
+            self.streams.request_metrics.on_reject(QUEUE_FULL)
             raise
-        self.request_metrics.on_admit(request)
-        sub.add(request.request_id, worker)
-        self._subscriber_of[request.request_id] = sub
+        self.streams.request_metrics.on_admit(request)
+        self.streams.attach(request.request_id, sub, worker)
         return Ack(request.request_id, worker, request.num_prompt_tokens)
 
     async def subscribe(self, subscriber: str) -> AsyncIterator[DeltaBatch]:
         """Deltas of every request submitted for `subscriber`, a `DeltaBatch` per wake-up.
         When the subscriber goes away its unfinished requests are aborted."""
-        sub = self._subscribers.setdefault(subscriber, Subscriber())
+        sub = self.streams.subscriber(subscriber)
         try:
             while True:
                 batch = await sub.next_batch()
                 for request_id in batch.finished_ids():
-                    self._subscriber_of.pop(request_id, None)
+                    self.streams.subscriber_of.pop(request_id, None)
                 yield batch
         finally:
-            self._subscribers.pop(subscriber, None)
-            for request_id in list(sub.request_to_worker):
-                self._subscriber_of.pop(request_id, None)
+            for request_id in self.streams.close(subscriber, sub):
                 self._abort(request_id)
 
     async def resume(self, subscriber: str, request_to_num_tokens: dict[str, int]
@@ -411,35 +205,9 @@ class ControllerActor:
         or admitted too shortly before the crash to be journaled) gets an error delta.
         Returns request id -> whether it was resumed."""
         core = await self._started()
-        sub = self._subscribers.setdefault(subscriber, Subscriber())
-        return {request_id: self._resume_one(core, sub, request_id, num_delivered)
+        sub = self.streams.subscriber(subscriber)
+        return {request_id: self.streams.resume_stream(core, sub, request_id, num_delivered)
                 for request_id, num_delivered in request_to_num_tokens.items()}
-
-    def _resume_one(self, core: ControllerCore, sub: Subscriber, request_id: str,
-                    num_delivered: int) -> bool:
-        """Attach one journaled request to `sub`, its tokens from `num_delivered` on."""
-        unclaimed = self._unclaimed.pop(request_id, None)
-        if unclaimed is None:
-            sub.push(RequestOutput(
-                request_id, [], FinishReason.ABORT, 0, 0,
-                error="the controller restarted and cannot resume this request (no "
-                      "journal, or admitted just before the crash)"))
-            return False
-        self.num_resumed_streams += 1
-        tokens, last = unclaimed.token_ids, unclaimed.last
-        out = RequestOutput(request_id, tokens[num_delivered:],
-                            last.finish_reason if last else None,
-                            unclaimed.num_prompt_tokens, len(tokens),
-                            last.num_cached_tokens if last else 0,
-                            last.error if last else None)
-        sub.add(request_id, core.request_to_worker.get(request_id, -1))
-        if num_delivered > len(tokens) and not out.finished:  # else nothing would pop it
-            self._num_to_skip[request_id] = num_delivered - len(tokens)
-        if not out.finished:
-            self._subscriber_of[request_id] = sub
-        if out.new_token_ids or out.finished:
-            sub.push(out)
-        return True
 
     async def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
         """Abort a queued or running request; its blocks are released at once and the
@@ -456,35 +224,10 @@ class ControllerActor:
             return False
         self.num_aborted += 1
         self.slots[worker].after_release()
-        self._deliver([out])
+        self.streams.deliver([out])
         if self.journal is not None:
             self.journal.end_step()
         return True
-
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        if self.journal is not None:
-            self.journal.record_outputs(outputs)  # one lock per step, not per request
-        for out in outputs:
-            self._deliver_one(out)
-
-    def _deliver_one(self, out: RequestOutput) -> None:
-        request_id = out.request_id
-        unclaimed = self._unclaimed.get(request_id)
-        if unclaimed is not None:  # resumed from the journal, its consumer not back yet
-            unclaimed.token_ids.extend(out.new_token_ids)
-            unclaimed.last = out
-            return
-        num_to_skip = self._num_to_skip.pop(request_id, 0)
-        if num_to_skip:  # recomputed tokens the consumer had before the restart
-            num_skipped = min(num_to_skip, len(out.new_token_ids))
-            out = dataclasses.replace(out, new_token_ids=out.new_token_ids[num_skipped:])
-            if num_to_skip > num_skipped and not out.finished:
-                self._num_to_skip[request_id] = num_to_skip - num_skipped
-        assert self.core is not None
-        self.request_metrics.on_output(out, self.core.clock())
-        subscriber = self._subscriber_of.get(request_id)
-        if subscriber is not None and (out.new_token_ids or out.finished):
-            subscriber.push(out)
 
     # -- introspection -------------------------------------------------------------------
     async def stats(self) -> dict[str, Any]:
@@ -492,23 +235,24 @@ class ControllerActor:
         journal = self.journal.stats() if self.journal is not None else None
         return {"workers": [slot.stats() for slot in self.slots], "pid": os.getpid(),
                 "journal": dataclasses.asdict(journal) if journal is not None else None,
-                "num_resumed": self.num_resumed, "num_resumed_streams": self.num_resumed_streams,
-                "num_unclaimed": len(self._unclaimed),
-                "num_streams": len(self._subscriber_of),
-                "num_subscribers": len(self._subscribers), "num_aborted": self.num_aborted,
+                "num_resumed": self.resumer.num_resumed,
+                "num_resumed_streams": self.resumer.num_resumed_streams,
+                "num_unclaimed": len(self.resumer.unclaimed),
+                "num_streams": len(self.streams.subscriber_of),
+                "num_subscribers": len(self.streams.subscribers), "num_aborted": self.num_aborted,
                 "num_unfinished": len(self.core.request_to_worker) if self.core else 0}
 
     async def metrics_snapshot(self) -> MetricsSnapshot:
         """What `/metrics` renders; answers at once, with no workers while they start."""
         core = self.core
         workers = [core.worker_stats(w) for w in range(core.num_workers)] if core else []
-        return MetricsSnapshot(workers, self.request_metrics.snapshot(),
+        return MetricsSnapshot(workers, self.streams.request_metrics.snapshot(),
                                core.scheduler(0).itl_slo_s if core else None)
 
     async def record_rejection(self, kind: str) -> None:
         """The edge refused a request before any other controller call (422): counted
         here so that every ingress replica reports the same total."""
-        self.request_metrics.on_reject(kind)
+        self.streams.request_metrics.on_reject(kind)
 
     async def step_records(self, worker: int) -> list[tuple[int, int, float, float, float]]:
         """Recent steps of one worker: (requests, tokens, wall s, worker compute s, actor
@@ -540,17 +284,7 @@ class ControllerActor:
                 with contextlib.suppress(Exception):  # a failed start is reported below
                     await asyncio.wait_for(asyncio.shield(self._started()), 0.05)
             if self.core is None:
-                failed = task is not None and task.done() and not task.cancelled() \
-                    and task.exception() is not None
-                if failed:
-                    reason = f"startup failed: {task.exception()}"
-                elif self._budget_started is not None:
-                    elapsed = asyncio.get_running_loop().time() - self._budget_started
-                    reason = _BUDGET_WAIT.format(elapsed)
-                elif self._num_starting:
-                    reason = _pending_resources(self.options, self._num_starting)
-                else:
-                    reason = "the workers are starting"
+                reason = self.startup.starting_reason(task, self.options)
                 return {"ok": False, "status": "starting", "reason": reason,
                         "num_workers_up": 0, "workers": []}
         core = self.core
@@ -583,25 +317,16 @@ class ControllerActor:
                 slot.task.cancel()
             slot.transport.close()
         for slot in self.slots:
-            _kill_for_good(slot.handle)
+            kill_for_good(slot.handle)
         if not self.slots:  # not started (yet) in this incarnation: find them by name
             for i in range(self.options.worker.num_workers):
                 try:
-                    _kill_for_good(ray.get_actor(worker_name(i), self.options.cluster.namespace))
+                    kill_for_good(ray.get_actor(worker_name(i), self.options.cluster.namespace))
                 except ValueError:
                     break
         if self.journal is not None:
             await asyncio.to_thread(self.journal.close, 5.0)
-            self.journal = None
-
-
-def _kill_for_good(handle: Any) -> None:
-    if not isinstance(handle, ray.actor.ActorHandle):
-        return  # a test's fake worker
-    try:
-        ray.kill(handle, no_restart=True)
-    except Exception as err:  # already gone
-        logger.warning("could not kill worker: %s", err)
+            self.resumer.journal = None
 
 
 def get_or_create_controller(options: ControllerOptions) -> ray.actor.ActorHandle:

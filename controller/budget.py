@@ -44,11 +44,13 @@ from typing import Any
 
 import numpy as np
 
-SCHEMA_VERSION = 1  # of the budget file; cluster/budget_file.py validates files on load
+SCHEMA_VERSION = 1  # of the budget file; workers/budget_file.py validates files on load
 
 
 @dataclass(frozen=True)
-class CostModel:
+class LinearFit:
+    """One kind of step's time: t = a + b * tokens + c * pairs."""
+
     a: float  # seconds per step (launches, weight reads, Python)
     b: float  # seconds per token
     c: float  # seconds per (query, key) pair
@@ -58,19 +60,26 @@ class CostModel:
 
 
 @dataclass(frozen=True)
-class LinearStepCost:
-    """Predicted seconds of a whole step: its prefill chunks (tokens, context) and its
-    decodes, with the table's two fits. A step with a chunk pays the prefill model's fixed
-    cost once, each chunk its tokens and pairs, each decode the decode model's marginal
-    cost (decode rows are padded to the step's longest decode context). What the scheduler
-    sizes chunks with and the protections charge chunks by."""
+class StepCost:
+    """The cost model: predicted seconds of a whole step, its prefill chunks (tokens,
+    context) and its decodes, with two fits. A step with a chunk pays the prefill model's
+    fixed cost once, each chunk its tokens and pairs, each decode the decode model's
+    marginal cost (decode rows are padded to the step's longest decode context). What the
+    scheduler sizes chunks with (a budget table's), the protections charge chunks by and
+    the step deadline is drawn from (a table's, else `per_token`)."""
 
-    prefill: CostModel
-    decode: CostModel
+    prefill: LinearFit
+    decode: LinearFit
     tile: int = 1
 
+    @classmethod
+    def per_token(cls, seconds_per_token: float) -> StepCost:
+        """The uncalibrated model: every token costs the same, nothing else costs."""
+        fit = LinearFit(0.0, seconds_per_token, 0.0)
+        return cls(fit, fit)
+
     def chunk_s(self, tokens: int, context: int) -> float:
-        """A step that prefills one chunk alone (the protections' `CostModel`)."""
+        """A step that prefills one chunk alone."""
         return self.step_s([(tokens, context)], 0, 0)
 
     def marginal_s(self, tokens: int, context: int) -> float:
@@ -89,10 +98,10 @@ class LinearStepCost:
         return (self.prefill.a + sum(self.marginal_s(t, c) for t, c in chunks)
                 + self.decode_marginal_s(num_decodes, decode_context))
 
-    def scaled(self, factor: float) -> LinearStepCost:
+    def scaled(self, factor: float) -> StepCost:
         """Every coefficient times `factor` (a device that got uniformly slower)."""
-        return replace(self, prefill=CostModel(*(factor * v for v in (
-            self.prefill.a, self.prefill.b, self.prefill.c))), decode=CostModel(*(
+        return replace(self, prefill=LinearFit(*(factor * v for v in (
+            self.prefill.a, self.prefill.b, self.prefill.c))), decode=LinearFit(*(
                 factor * v for v in (self.decode.a, self.decode.b, self.decode.c))))
 
 
@@ -141,7 +150,7 @@ def relative_errors(predicted: Sequence[float], measured: Sequence[float]) -> li
 
 def _fit_summary(model_rows: list[list[float]], times: list[float]) -> dict[str, float]:
     a, b, c = fit_nonneg(model_rows, times)
-    errors = relative_errors([CostModel(a, b, c)(r[1], r[2]) for r in model_rows], times)
+    errors = relative_errors([LinearFit(a, b, c)(r[1], r[2]) for r in model_rows], times)
     return {"a": a, "b": b, "c": c, "median_rel_error": float(np.median(errors)),
             "max_rel_error": max(errors)}
 
@@ -230,8 +239,8 @@ class BudgetTable:
         self.data = data  # trusted: files are validated where they are loaded
         spec, fit, stats = data["spec"], data["fit"], data["model_stats"]
         self.block_size, self.tile = spec["block_size"], spec["tile_tokens"]
-        self.prefill_model = CostModel(*(fit["prefill"][k] for k in "abc"))
-        self.decode_model = CostModel(*(fit["decode"][k] for k in "abc"))
+        self.prefill_model = LinearFit(*(fit["prefill"][k] for k in "abc"))
+        self.decode_model = LinearFit(*(fit["decode"][k] for k in "abc"))
         self.stats, self.hw, self.kv = stats, data["hardware"], data["kv"]
         self.bytes_fit, self.limits = fit["bytes"], data["limits"]
         self.max_tokens = max(p["tokens"] for p in data["prefill"])
@@ -239,8 +248,8 @@ class BudgetTable:
         self.decode_context = self.limits.get("plan_decode_context_tokens", max(
             d["context"] for d in data["decode"]))
 
-    def step_cost(self) -> LinearStepCost:
-        return LinearStepCost(self.prefill_model, self.decode_model, self.tile)
+    def step_cost(self) -> StepCost:
+        return StepCost(self.prefill_model, self.decode_model, self.tile)
 
     def slo_ms(self, configured_ms: float | None) -> float:
         """The ITL SLO a scheduler on this table plans for: the configured one, or the

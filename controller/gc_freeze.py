@@ -1,9 +1,9 @@
 """Keep Python's cyclic garbage collector off the step loop's critical path.
 
 After start-up a serving process holds a few hundred thousand long-lived objects (torch,
-transformers, Ray, the model's modules), and a full collection walks all of them: ~100 ms
-on the 2-core machine, landing on whichever step happens to allocate past the threshold
-(a step 1.6x its predicted time in the policies benchmark). `gc.freeze()` moves everything
+transformers, Ray, the model's modules), and a full collection walks all of them, landing
+on whichever step happens to allocate past the threshold (such a step runs well over its
+predicted time in the policies benchmark). `gc.freeze()` moves everything
 alive now to a permanent generation that collections skip; garbage made later, per
 request and per step, is still collected, and cheaply.
 """

@@ -21,10 +21,6 @@ import enum
 import pickle
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from controller.request import RequestOutput
 
 
 @dataclass(frozen=True)
@@ -90,7 +86,9 @@ class StepPlan:
 
 @dataclass
 class ChunkComplete:
-    """A prefill chunk (any scheduled span of a request that does not sample) finished."""
+    """A prefill chunk finished: a span of a request's prompt (or, after a preemption, of its
+    recomputed tokens) computed in one step. The chunk that reaches the end of the known
+    tokens samples the request's next token and is reported too; a decode step is not."""
 
     request_id: str
     chunk_index: int
@@ -131,6 +129,23 @@ class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS, a stop token id, or a stop string at the edge
     LENGTH = "length"  # max_tokens or the model's context length
     ABORT = "abort"  # aborted: by its consumer, a protection or a failed worker
+
+
+@dataclass
+class RequestOutput:
+    """Delta for one request after one step: the edge turns these into streams."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None  # None while running
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int = 0
+    error: str | None = None  # set when the request was aborted by a protection
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass(frozen=True)
@@ -186,8 +201,8 @@ class DeltaBatch:
     """A subscriber's deltas of one wake-up, column by column: what `subscribe` yields.
 
     One object of plain lists for Ray to pickle instead of one `Delta` each: cloudpickle
-    calls back into Python per object (128 deltas: 0.42 ms as objects, 0.03 ms as
-    columns, on the controller's step loop). Iterating gives the `Delta`s back."""
+    calls back into Python per object, on the controller's step loop. Iterating gives the
+    `Delta`s back."""
 
     request_ids: list[str] = field(default_factory=list)
     workers: list[int] = field(default_factory=list)
@@ -249,9 +264,9 @@ class DeltaBatch:
 
 def encode_message(message: StepPlan | StepResult) -> bytes:
     """A step's plan or result as it crosses Ray: the C pickler's bytes. Given the object,
-    Ray pickles it with cloudpickle, whose per-object hook makes a step's call ~0.1-0.15 ms
-    dearer to submit, and as much again to decode and to answer: on the step's critical
-    path with a ~3 ms GPU step (benchmarks/results/cluster.json)."""
+    Ray pickles it with cloudpickle, whose per-object hook makes a step's call dearer to
+    submit, and as much again to decode and to answer, all on the step's critical path
+    (benchmarks/results/cluster.json has the figures)."""
     return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
 
 

@@ -11,14 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Literal, get_args, get_type_hints
 
-from controller.budget import AutoBudget, BudgetFit, BudgetTable, LinearStepCost
-from controller.core import DegradedConfig
+from controller.budget import AutoBudget, BudgetFit, BudgetTable, StepCost
 from controller.flow import FlowConfig
 from controller.journal import JournalConfig
-from controller.protections import CostModel, ProtectionConfig
+from controller.protections import ProtectionConfig
+from controller.recovery import RecoveryConfig
 from controller.scheduler import SchedulerConfig
 from controller.settings import FORBID_EXTRA, check_settings, check_thread_count, setting
-from controller.worker_loop import RecoveryConfig
+from controller.worker_state import DegradedConfig
 
 
 @dataclass(frozen=True)
@@ -122,9 +122,9 @@ class ClusterConfig:
             "restart; a worker whose graph cannot be built (compiling fails, its first "
             "empty step fails, or the thread the graph runs on is still held by a dead "
             "controller's graph) falls back to actor calls until it restarts. Not the "
-            "default: against a 3 ms stand-in step on a 2-core machine it cut the step only "
-            "at 16 running requests (6.3 -> 5.3 ms one at a time, 4.4 -> 4.1 ms with async "
-            "scheduling), not at 128, where the controller's own work dominates; and Ray's "
+            "default: against a short stand-in step on a small CPU machine it cut the step "
+            "at 16 running requests, not at 128, where the controller's own work dominates "
+            "(benchmarks/README.md has the figures); and Ray's "
             "channel readers poll, keeping a core busy in the controller and one in each "
             "worker even while idle."))
     compiled_graph_probe_s: float = setting(2.0, gt=0, description=(
@@ -181,8 +181,7 @@ class ControllerOptions:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     journal: JournalConfig = field(default_factory=JournalConfig)
-    cost_model: CostModel | None = None  # None: protections.seconds_per_token per token
-    step_cost: LinearStepCost | None = None  # a budget table's: chunks sized per step
+    step_cost: StepCost | None = None  # a budget table's: chunks sized per step
     itl_slo_s: float | None = None  # what step_cost sizes chunks for
     worker_cls: str = "workers.actor:WorkerActor"  # "module:Class" of the worker actor
     # Set (calibration.auto without a budget file): before its scheduler config is final,
@@ -194,7 +193,7 @@ class ControllerOptions:
         """These options running on `table`: its budget for the SLO, its cost model."""
         step_cost = table.step_cost()
         return replace(self, scheduler=budgeted_scheduler(self.scheduler, table, fit, self.cache),
-                       cost_model=step_cost.chunk_s, step_cost=step_cost,
+                       step_cost=step_cost,
                        itl_slo_s=table.slo_ms(fit.itl_slo_ms) / 1e3, auto_budget=None)
 
 

@@ -11,24 +11,24 @@
 - degraded mode: after `degrade_after_timeouts` timeouts within `degrade_window_s`, the
   worker keeps serving with the smallest chunk and one prefill at a time, until a
   window passes without timeouts.
-The cost model is a callable `predict(num_tokens, context_len) -> seconds`; until a
-calibrated table is loaded it is a per-token cost from config.
+The cost model is the one `StepCost` (controller/budget.py): a chunk alone costs
+`chunk_s(num_tokens, context_len)` seconds; until a calibrated table is loaded it is
+`StepCost.per_token(seconds_per_token)`.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from controller.budget import StepCost
 from controller.messages import ChunkComplete
 from controller.settings import FORBID_EXTRA, check_settings, setting
 
 logger = logging.getLogger("tokenflow.protections")
 slow_logger = logging.getLogger("tokenflow.slow_requests")
 
-CostModel = Callable[[int, int], float]
 
 
 @dataclass(frozen=True)
@@ -117,9 +117,9 @@ class _Prefill:
 
 
 class Protections:
-    def __init__(self, config: ProtectionConfig, cost_model: CostModel):
+    def __init__(self, config: ProtectionConfig, step_cost: StepCost):
         self.config = config
-        self.cost_model = cost_model
+        self.step_cost = step_cost
         self.stats = ProtectionStats(slow_log=deque(maxlen=config.max_slow_log))
         self._prefills: dict[str, _Prefill] = {}
         self._timeouts: deque[float] = deque()
@@ -135,7 +135,7 @@ class Protections:
         `charged_s` / `budgeted_s`: the chunk's share of its step's measured / predicted
         time (default: the event's time / the cost model's chunk alone). The timeout
         watches the whole step: a hung step is hung for every chunk in it."""
-        budgeted = self.cost_model(event.num_tokens, event.start) if budgeted_s is None \
+        budgeted = self.step_cost.chunk_s(event.num_tokens, event.start) if budgeted_s is None \
             else budgeted_s
         charged = event.elapsed_s if charged_s is None else charged_s
         prefill = self._prefills.setdefault(event.request_id, _Prefill())
@@ -185,12 +185,3 @@ class Protections:
         while self._timeouts and self._timeouts[0] < now - self.config.degrade_window_s:
             self._timeouts.popleft()
         return len(self._timeouts) >= self.config.degrade_after_timeouts
-
-
-def per_token_cost_model(seconds_per_token: float,
-                         seconds_per_token_context: float = 0.0) -> CostModel:
-    """The uncalibrated model: t = tokens x (a + b x context)."""
-    def predict(num_tokens: int, context_len: int) -> float:
-        return num_tokens * (seconds_per_token + seconds_per_token_context * context_len)
-
-    return predict

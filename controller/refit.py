@@ -23,7 +23,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
-from controller.budget import CostModel, LinearStepCost, chunk_pairs, fit_nonneg, pad
+from controller.budget import LinearFit, StepCost, chunk_pairs, fit_nonneg, pad
 from controller.protections import ProtectionConfig
 from controller.scheduler import StepShape
 
@@ -60,7 +60,7 @@ class OnlineRefit:
         return min(max(quantile, 1.0), cfg.max_slo_headroom)
 
     def observe(self, shape: StepShape, elapsed_s: float,
-                cost: LinearStepCost) -> LinearStepCost | None:
+                cost: StepCost) -> StepCost | None:
         """Account one step with chunks; returns a refitted model when the window says so."""
         if not shape.chunks or elapsed_s <= 0:
             return None
@@ -90,12 +90,12 @@ class OnlineRefit:
         return refit
 
 
-def _errors(samples: list[StepSample], cost: LinearStepCost) -> list[float]:
+def _errors(samples: list[StepSample], cost: StepCost) -> list[float]:
     return [abs(cost.step_s(s.chunks, s.num_decodes, s.decode_context) / s.elapsed_s - 1.0)
             for s in samples]
 
 
-def _refit(samples: list[StepSample], cost: LinearStepCost) -> tuple[LinearStepCost, str]:
+def _refit(samples: list[StepSample], cost: StepCost) -> tuple[StepCost, str]:
     ratios = [s.elapsed_s / cost.step_s(s.chunks, s.num_decodes, s.decode_context)
               for s in samples]
     scaled = cost.scaled(statistics.median(ratios))
@@ -109,7 +109,7 @@ def _refit(samples: list[StepSample], cost: LinearStepCost) -> tuple[LinearStepC
         rows.append([1.0, sum(t for t, _ in padded), sum(chunk_pairs(t, c) for t, c in padded),
                      s.num_decodes, s.num_decodes * (s.decode_context + 1.0)])
     a, b, c, d, e = fit_nonneg(rows, [s.elapsed_s for s in samples])
-    fitted = LinearStepCost(CostModel(a, b, c), CostModel(cost.decode.a * a / max(
+    fitted = StepCost(LinearFit(a, b, c), LinearFit(cost.decode.a * a / max(
         cost.prefill.a, 1e-12), d, e), cost.tile)
     if statistics.median(_errors(samples, fitted)) < statistics.median(_errors(samples, scaled)):
         return fitted, "least squares"

@@ -10,7 +10,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from controller.messages import FinishReason, SamplingParams
+from controller.messages import FinishReason, RequestOutput, SamplingParams
+
+__all__ = ["Request", "RequestOutput", "RequestStatus"]  # RequestOutput: its old home
 
 
 class RequestStatus(enum.Enum):
@@ -21,8 +23,8 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
 
-    # Plain attributes set once per member (read for every request every step: an enum
-    # property with a membership test and a FinishReason lookup cost ~1 us each).
+    # Plain attributes set once per member: read for every request every step, where an
+    # enum property with a membership test and a FinishReason lookup would cost more.
     is_finished: bool
     finish_reason: FinishReason | None
 
@@ -31,9 +33,9 @@ class RequestStatus(enum.Enum):
         self.finish_reason = FinishReason(value) if self.is_finished else None
 
 
-# eq=False: a request is an identity. The generated __eq__ built and compared a tuple of
-# every field, and `request in running` / `running.remove` ran it against each running
-# request: ~6 % of the controller's GIL time in a 256-request batch job.
+# eq=False: a request is an identity. The generated __eq__ builds and compares a tuple of
+# every field, and `request in running` / `running.remove` would run it against each
+# running request, every step.
 @dataclass(eq=False)
 class Request:
     request_id: str
@@ -127,20 +129,3 @@ class Request:
         if self.max_model_len is not None and self.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
-
-
-@dataclass
-class RequestOutput:
-    """Delta for one request after one step: the edge turns these into streams."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finish_reason: FinishReason | None  # None while running
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int = 0
-    error: str | None = None  # set when the request was aborted by a protection
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None

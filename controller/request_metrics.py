@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from controller.core import WorkerStats
 from controller.histogram import LATENCY_BUCKETS_S, Histogram, HistogramSnapshot
-from controller.request import Request, RequestOutput
+from controller.messages import RequestOutput
+from controller.request import Request
+from controller.worker_stats import WorkerStats
 
 # Why the edge or the controller refused a request before it ran.
 CIRCUIT_BREAKER = "circuit_breaker"  # 422: prompt over the prefill cap (counted at the edge)

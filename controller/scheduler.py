@@ -25,136 +25,25 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from collections.abc import Callable, Iterator
 
-from controller.messages import CachedRequestData, CacheEvict, NewRequestData, StepPlan, StepResult
+from controller.budget import StepCost
+from controller.messages import CachedRequestData, CacheEvict, NewRequestData, StepPlan
 from controller.request import Request, RequestOutput, RequestStatus
-from controller.settings import FORBID_EXTRA, check_settings, setting
+from controller.scheduler_config import SchedulerConfig, SchedulerStats, StepLimits, StepShape
+from controller.scheduler_results import SchedulerResults
 from controller.tenants import TenantStats, seq_cap, split_budget
 from kvcache.defrag import fragmentation, plan_compaction
 from kvcache.manager import KVCacheManager
 
-
-@dataclass
-class SchedulerConfig:
-    """The scheduler's settings (`scheduler:` in the configuration). Mutable: the
-    comparison policies widen the budget for one step."""
-
-    __pydantic_config__ = FORBID_EXTRA
-
-    max_num_batched_tokens: int = setting(2048, ge=1, description=(
-        "Token budget of one step (decode tokens + prefill chunk tokens). 2048 is vLLM's "
-        "online default on ordinary GPUs; a budget file (calibration.budget_file) "
-        "replaces it."))
-    max_num_seqs: int = setting(256, ge=1, description="Running requests per worker at most.")
-    max_chunk_tokens: int | None = setting(None, ge=1, description=(
-        "Cap on one prefill chunk; None means the whole budget."))
-    long_prefill_token_threshold: int | None = setting(None, ge=1, description=(
-        "A prompt (with its generated tokens) longer than this is long: capped by "
-        "max_long_partial_prefills, and leaving short_prefill_share of each step's "
-        "prefill budget to short prompts. None: max_num_batched_tokens (a prompt that "
-        "fits in one step is short)."))
-    max_long_partial_prefills: int = setting(1, ge=1, description=(
-        "Long prompts being chunked at once; a further long prompt waits without "
-        "blocking short ones behind it (vLLM's max_long_partial_prefills)."))
-    short_prefill_share: float = setting(0.25, gt=0, lt=1, description=(
-        "Share of a step's prefill budget (and of its predicted time under the ITL SLO) "
-        "that long chunks leave free while short prompts wait."))
-    max_concurrent_chunks: int = setting(4, ge=1, description=(
-        "Prefill chunks per step in NORMAL flow mode (flow control lowers it: "
-        "flow.throttle_chunks, flow.throttle_hard_chunks, 0 under cache pressure)."))
-    async_scheduling: bool = setting(False, description=(
-        "Plan a worker's next step while its current one runs: in the Ray step loop the "
-        "controller's planning and the actor round trip hide behind the device; in process "
-        "(LocalEngine, controller/pipeline.py) the next step is launched as soon as the "
-        "current one is done and the controller plans and applies while it runs. Tokens "
-        "sampled by the running step are "
-        "pending in the next plan (the worker feeds them), a request that finishes is "
-        "dropped a step later, and nobody is preempted while a step runs ahead. The same "
-        "tokens either way (vLLM's --async-scheduling)."))
-    scheduling_policy: Literal["tokenflow", "prefill-first", "prefill-priority-chunked"] = (
-        setting("tokenflow", description=(
-            "tokenflow: decode-first unified budget with flow control. The others exist to "
-            "be measured against: prefill-first (vLLM V0: whole prompts in prefill-only "
-            "steps) and prefill-priority-chunked (nano-vllm: only a step's first prefill "
-            "is cut; prefill and decode never share a step).")))
-    tenant_weights: dict[str, float] = field(default_factory=dict, metadata={"description": (
-        "Weights of tenants (X-Tenant-Id) in each step's prefill budget; absent = 1.0.")})
-    defrag_threshold: float | None = setting(0.30, gt=0, lt=1, description=(
-        "KV defragmentation: compact used blocks when more than this share lies outside "
-        "the compact region (30 %); None disables it."))
-    defrag_max_moves: int = setting(64, ge=1, description=(
-        "KV blocks moved per step at most (bounds the copy's cost)."))
-    defrag_every_steps: int = setting(16, ge=1, description=(
-        "Steps between fragmentation checks (fragmentation is O(blocks): look only now "
-        "and then)."))
-
-    def __post_init__(self) -> None:
-        check_settings(self)
-        chunk = self.max_chunk_tokens
-        if chunk is not None and chunk > self.max_num_batched_tokens:
-            raise ValueError("scheduler.max_chunk_tokens must not exceed "
-                             "scheduler.max_num_batched_tokens")
-
-
-class StepCostModel(Protocol):
-    """Predicted seconds of a step: its chunks as (tokens, context) and its decodes, padded
-    to the longest decode context (controller.budget.LinearStepCost)."""
-
-    def step_s(self, chunks: Sequence[tuple[int, int]], num_decodes: int,
-               decode_context: int) -> float: ...
-
-
-@dataclass
-class StepShape:
-    """What a plan carries, for pricing the step once its time is known."""
-
-    step_id: int
-    chunks: dict[str, tuple[int, int]] = field(default_factory=dict)  # id -> (tokens, ctx)
-    num_decodes: int = 0
-    decode_context: int = 0  # the longest
-
-
-@dataclass(frozen=True)
-class StepLimits:
-    """What flow control and the protections allow in one step, passed to `schedule`."""
-
-    max_chunks: int | None = None  # prefill chunks this step (0: decodes only); None: config
-    chunk_cap: int | None = None  # a smaller chunk cap (degraded path); None: config
-    # With prefill stopped and nothing decoding, let one running prefill continue (under
-    # cache pressure only finishing requests free blocks). False in PREFILL_PAUSED, which
-    # recovers from telemetry alone.
-    progress_guard: bool = True
-    # False while an earlier step still runs (planned ahead): a victim's blocks could be
-    # written by that step after they were given to someone else, so nobody is preempted;
-    # a request that finds no block waits a step.
-    may_preempt: bool = True
-
-
-@dataclass
-class SchedulerStats:
-    """Filled by the core, exported by the metrics module at the edge."""
-
-    num_steps: int = 0
-    num_preemptions: int = 0
-    num_scheduled_tokens: int = 0
-    num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
-    num_finished: int = 0
-    num_defrag_moves: int = 0
-    cache_evicts: list[CacheEvict] = field(default_factory=list)
-
-
 _SCHEDULABLE = (RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
 
-class Scheduler:
+class Scheduler(SchedulerResults):
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
                  clock: Callable[[], float] | None = None,
                  arrivals: Iterator[int] | None = None,
-                 step_cost: StepCostModel | None = None, itl_slo_s: float | None = None):
+                 step_cost: StepCost | None = None, itl_slo_s: float | None = None):
         self.config = config
         # Both set: chunks are sized by predicted step time (the core swaps in a refit).
         self.step_cost = step_cost
@@ -556,63 +445,3 @@ class Scheduler:
     def _max_plan_tokens(self, plan: StepPlan) -> int:
         """The plan-size invariant; a baseline policy may knowingly exceed the budget."""
         return self.config.max_num_batched_tokens
-
-    # -- results -------------------------------------------------------------------
-    def step_context_len(self, step_id: int) -> int:
-        """The longest context a planned step reads (its deadline's size): from the step's
-        shape, without a pass over the running requests; a baseline's step has none."""
-        shape = self._shapes.get(step_id)
-        if shape is None:
-            return max((r.num_tokens for r in self.running), default=0)
-        return max([shape.decode_context + 1,
-                    *(depth + num for num, depth in shape.chunks.values())])
-
-    def pop_shape(self, step_id: int) -> StepShape | None:
-        """The shape of a step whose result is in (None for a baseline policy's step)."""
-        for older in [sid for sid in self._shapes if sid < step_id]:
-            del self._shapes[older]  # steps whose results were dropped (worker failure)
-        return self._shapes.pop(step_id, None)
-
-    def update_from_output(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
-        outputs = []
-        shape = self._shapes.get(plan.step_id)
-        for request_id, num_new in plan.num_scheduled_tokens.items():
-            request = self.requests.get(request_id)
-            if request is None or request.status != RequestStatus.RUNNING:
-                continue  # aborted or preempted while the step ran
-            is_prefill = request_id in shape.chunks if shape is not None else num_new > 1
-            if is_prefill:
-                self.stats.num_prefill_tokens += num_new
-            else:
-                self.stats.num_decode_tokens += num_new
-            sampled = result.sampled_token_ids.get(request_id, [])
-            # A sample only exists where the plan counted one pending.
-            assert len(sampled) <= request.num_pending_outputs
-            request.num_pending_outputs -= len(sampled)
-            request.output_token_ids.extend(sampled)
-            # Computed (or planned: steps run in order, the next one writes it before
-            # anyone reads it) and known: full blocks up to there can be hashed.
-            num_ready = min(request.num_computed_tokens, request.num_tokens)
-            if self.kv.has_new_full_block(request_id, num_ready):
-                self.kv.cache_full_blocks(request_id, request.all_token_ids, num_ready)
-            finish = request.check_stop() if sampled else None
-            if finish is not None:
-                self._finish(request, finish)
-            if sampled or finish is not None:
-                outputs.append(self._output(request, sampled))
-        return outputs
-
-    def _finish(self, request: Request, status: RequestStatus) -> None:
-        request.status = status
-        self.waiting.pop(request.request_id, None)
-        if request in self.running:
-            self.running.remove(request)
-        self._release(request)
-        self.requests.pop(request.request_id, None)
-        self.stats.num_finished += 1
-
-    @staticmethod
-    def _output(request: Request, new_token_ids: list[int]) -> RequestOutput:
-        return RequestOutput(request.request_id, list(new_token_ids), request.status.finish_reason,
-                             request.num_prompt_tokens, request.num_output_tokens,
-                             request.num_cached_tokens)

@@ -5,14 +5,21 @@ submitted for it, and `subscribe` yields one `DeltaBatch` per wake-up (about one
 instead of one item per request and token: a Ray streaming-generator item costs an
 object and a report RPC on both sides, which on a busy node is as much CPU as a small
 model's decode step. Deltas that pile up while a consumer is slow are merged, never dropped.
+
+`Streams` routes every output to its request's subscriber: through the journal and the
+resume bookkeeping first, measuring latencies where the outputs leave. It is what the
+step loops hand their outputs to (their `SlotListener`).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
-from controller.messages import Delta, DeltaBatch
-from controller.request import RequestOutput
+from controller.core import ControllerCore
+from controller.messages import Delta, DeltaBatch, FinishReason, RequestOutput, StepResult
+from controller.request_metrics import RequestMetrics
+from controller.resume import Resume
 
 
 class Subscriber:
@@ -53,3 +60,76 @@ class Subscriber:
             if is_finished:
                 self.request_to_worker.pop(request_id, None)
         return batch
+
+
+class Streams:
+    def __init__(self, resume: Resume, wake: Callable[[list[int]], None]) -> None:
+        """`wake`: notify these workers' step loops (they received a failed worker's
+        requests)."""
+        self.resume = resume
+        self.wake = wake
+        self.subscribers: dict[str, Subscriber] = {}
+        self.subscriber_of: dict[str, Subscriber] = {}  # request id -> its subscriber
+        self.request_metrics = RequestMetrics()  # latencies measured where deltas leave
+
+    def subscriber(self, name: str) -> Subscriber:
+        """Get or create: Ray may start a `submit` before the subscriber's `subscribe`."""
+        return self.subscribers.setdefault(name, Subscriber())
+
+    def attach(self, request_id: str, sub: Subscriber, worker: int) -> None:
+        sub.add(request_id, worker)
+        self.subscriber_of[request_id] = sub
+
+    def close(self, name: str, sub: Subscriber) -> list[str]:
+        """The subscriber went away; returns its unfinished requests (to abort)."""
+        self.subscribers.pop(name, None)
+        for request_id in sub.request_to_worker:
+            self.subscriber_of.pop(request_id, None)
+        return list(sub.request_to_worker)
+
+    def resume_stream(self, core: ControllerCore, sub: Subscriber, request_id: str,
+                      num_delivered: int) -> bool:
+        """Attach one journaled request to `sub`, its tokens from `num_delivered` on."""
+        unclaimed = self.resume.unclaimed.pop(request_id, None)
+        if unclaimed is None:
+            sub.push(RequestOutput(
+                request_id, [], FinishReason.ABORT, 0, 0,
+                error="the controller restarted and cannot resume this request (no "
+                      "journal, or admitted just before the crash)"))
+            return False
+        self.resume.num_resumed_streams += 1
+        tokens, last = unclaimed.token_ids, unclaimed.last
+        out = RequestOutput(request_id, tokens[num_delivered:],
+                            last.finish_reason if last else None,
+                            unclaimed.num_prompt_tokens, len(tokens),
+                            last.num_cached_tokens if last else 0,
+                            last.error if last else None)
+        sub.add(request_id, core.request_to_worker.get(request_id, -1))
+        if num_delivered > len(tokens) and not out.finished:  # else nothing would pop it
+            self.resume.num_to_skip[request_id] = num_delivered - len(tokens)
+        if not out.finished:
+            self.subscriber_of[request_id] = sub
+        if out.new_token_ids or out.finished:
+            sub.push(out)
+        return True
+
+    # -- the step loops' SlotListener ----------------------------------------------------
+    def deliver(self, outputs: list[RequestOutput]) -> None:
+        journal = self.resume.journal
+        if journal is not None:
+            journal.record_outputs(outputs)  # one lock per step, not per request
+        now = asyncio.get_running_loop().time()  # the core's clock in the actor
+        for out in outputs:
+            taken = self.resume.intercept(out)
+            if taken is None:
+                continue
+            self.request_metrics.on_output(taken, now)
+            subscriber = self.subscriber_of.get(taken.request_id)
+            if subscriber is not None and (taken.new_token_ids or taken.finished):
+                subscriber.push(taken)
+
+    def on_step(self, result: StepResult) -> None:
+        self.resume.on_step(result)
+
+    def on_requests_moved(self, workers: list[int]) -> None:
+        self.wake(workers)

@@ -1,9 +1,11 @@
 """`WorkerSlot`: one worker actor as the controller sees it, with its async step loop.
 
-One step: `core.begin_step` (flow control sees every `chunk_complete` and `cache_evict`
-before it plans), await `execute` on the actor, `core.finish_step`, deliver the deltas.
-How the plan reaches the actor (a Ray actor call, or a compiled graph) is the slot's
-`transport` (controller/transport.py).
+One step is the core's `StepLoop` (controller/step_loop.py) over the slot's transport:
+`begin` (flow control sees every `chunk_complete` and `cache_evict` before it plans, the
+plan is sent), `plan_ahead` (with async scheduling), await the result under the step
+deadline, `finish`, hand the outputs to the slot's `SlotListener`. How the plan reaches the
+actor (a Ray actor call, or a compiled graph) is the slot's `transport`
+(controller/transport.py).
 The loop parks on `wake` when there is nothing to send the worker; everything that can
 create work (a new request, an abort) calls `notify()`. `parked` is set only while the
 loop waits and nobody has notified it since, which is what the integrity check needs to
@@ -28,45 +30,19 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from controller.backoff import Backoff
 from controller.core import ControllerCore
-from controller.messages import FinishReason, StepPlan, StepResult
-from controller.request import RequestOutput
-from controller.settings import FORBID_EXTRA, check_settings, setting
+from controller.messages import FinishReason, RequestOutput, StepPlan, StepResult
+from controller.recovery import RecoveryConfig
+from controller.step_loop import StepLoop
 from controller.transport import ActorCallTransport, WorkerTransport
 
 logger = logging.getLogger(__name__)
 # Step records kept for stats and the overhead benchmark; older ones are dropped.
 _MAX_RECORDS = 4096
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class RecoveryConfig:
-    """How the controller notices a dead or hung worker and brings it back (`recovery:`)."""
-
-    __pydantic_config__ = FORBID_EXTRA
-
-    step_deadline_factor: float = setting(20.0, gt=0, description=(
-        "A step running longer than this many times the cost model's prediction (and "
-        "step_deadline_min_s) counts as a hang: the worker is killed and handled as dead."))
-    step_deadline_min_s: float = setting(30.0, gt=0, description=(
-        "Floor of the step deadline (first steps compile kernels and capture graphs)."))
-    ready_timeout_s: float = setting(60.0, gt=0, description=(
-        "How long one 'are you back?' call to a failed worker may take."))
-    restart_backoff_s: float = setting(0.2, gt=0, description=(
-        "First wait between tries to reach a failed worker; doubles up to the maximum."))
-    restart_backoff_max_s: float = setting(5.0, gt=0, description=(
-        "Longest wait between tries to reach a failed worker."))
-    max_worker_failures_per_request: int = setting(3, ge=1, description=(
-        "A request that was on this many failing workers is aborted with an error: it may "
-        "be what kills them."))
-
-    def __post_init__(self) -> None:
-        check_settings(self)
 
 
 class WorkerCallError(RuntimeError):
@@ -78,10 +54,22 @@ class WorkerHungError(WorkerCallError):
     """A call to the worker outlived its deadline."""
 
 
+class SlotListener(Protocol):
+    """Who hears of a slot's steps (the controller actor), given to it when it is built."""
+
+    def deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand outputs to their consumers."""
+
+    def on_step(self, result: StepResult) -> None:
+        """A step's outputs were delivered (the journal's step boundary)."""
+
+    def on_requests_moved(self, workers: list[int]) -> None:
+        """These workers received a failed worker's requests."""
+
+
 class WorkerSlot:
     def __init__(self, index: int, handle: Any, info: Any, core: ControllerCore,
-                 deliver: Callable[[list[RequestOutput]], None],
-                 kill: Callable[[Any], None] | None = None,
+                 listener: SlotListener, kill: Callable[[Any], None] | None = None,
                  recovery: RecoveryConfig | None = None,
                  transport: WorkerTransport | None = None) -> None:
         self.index = index
@@ -90,14 +78,10 @@ class WorkerSlot:
         # How plans reach it (controller/transport.py); the caller `reopen`s it first.
         self.transport = transport or ActorCallTransport(handle, info.incarnation)
         self.core = core
-        self.deliver = deliver
+        self.listener = listener
         # Kills the worker's process so that it restarts (Ray: `ray.kill(h, no_restart=False)`).
         self.kill = kill or (lambda handle: None)
         self.recovery = recovery or RecoveryConfig()
-        # Called with the workers that received this worker's requests after a failure.
-        self.on_requests_moved: Callable[[list[int]], None] = lambda workers: None
-        # Called after each step's outputs were delivered (the journal's step boundary).
-        self.on_step: Callable[[StepResult], None] = lambda result: None
         self.num_hangs = 0
         self.up = asyncio.Event()  # cleared from a failure until the worker is back
         self.up.set()
@@ -117,11 +101,11 @@ class WorkerSlot:
         self.records: deque[tuple[int, int, float, float, float]] = deque(maxlen=_MAX_RECORDS)
         # (step id, request id -> tokens) of recent non-empty steps: who advanced when.
         self.plan_log: deque[tuple[int, dict[str, int]]] = deque(maxlen=_MAX_RECORDS)
-        # Async scheduling: the step sent while the previous one ran (plan, its call,
-        # when it was planned); the worker actor runs calls one at a time, in order.
-        self._ahead: tuple[Any, Any, float] | None = None
+        # The worker actor runs calls one at a time, in order: a step sent ahead (async
+        # scheduling) runs after the one before it.
+        self.loop = StepLoop(core, index, self._send,
+                             is_ahead=core.scheduler(index).config.async_scheduling)
         self._last_received = float("-inf")
-        self.is_async = core.scheduler(index).config.async_scheduling
 
     def start(self) -> None:
         # A fresh context, so no Ray call's cancellation can reach the loop (see actor.py).
@@ -167,42 +151,31 @@ class WorkerSlot:
         return self.core.workers[self.index].flow.paused and self.core.has_work(self.index)
 
     async def _step(self, force: bool = False) -> bool:
-        """One step; False when there was nothing to do. A failed worker call raises
-        WorkerCallError; an exception in the controller's own part is handled here. With
-        async scheduling the next step is planned and sent before this one's result is
-        awaited, and the next call takes it from `_ahead`."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None:  # sent while the previous step ran
-            plan, call, start = ahead
-        else:
-            if not self.core.has_work(self.index):
-                return False
-            start = time.perf_counter()
-            try:
-                plan = self.core.begin_step(self.index)
-                if plan.is_empty and not plan.finished_request_ids and not force:
-                    return False  # nothing can advance until a notify (flow control holds)
-            except Exception as err:
-                await self._planning_failed(err)
-                return True
-            call = self._send(plan)
-        sent = time.perf_counter()
+        """One step; False when there was nothing to do (unless `force`: an empty step for
+        telemetry). A failed worker call raises WorkerCallError; an exception in the
+        controller's own part is handled here. With async scheduling the next step is
+        planned and sent before this one's result is awaited."""
         try:
-            if self.is_async and self.core.can_plan_ahead(self.index):
-                self._plan_ahead()
-            deadline = self._deadline_s(plan)
+            launched = self.loop.begin(force)
+            if launched is None:
+                return False  # nothing can advance until a notify (flow control holds)
+            sent = time.perf_counter()
+            self.loop.plan_ahead()
+            deadline = self._deadline_s(launched.plan)
         except Exception as err:
             await self._planning_failed(err)
             return True
-        result = await self._call_worker(lambda: call, deadline, f"step {plan.step_id}")
+        plan, start = launched.plan, launched.planned_at
+        result = await self._call_worker(lambda: launched.pending, deadline,
+                                         f"step {plan.step_id}")
         received = time.perf_counter()
         outputs: list[RequestOutput] | None = None
         is_delivered = False
         try:
-            outputs = self.core.finish_step(self.index, plan, result)
-            self.deliver(outputs)
+            outputs = self.loop.finish(launched, result)
+            self.listener.deliver(outputs)
             is_delivered = True
-            self.on_step(result)
+            self.listener.on_step(result)
         except Exception as err:
             self._finishing_failed(err, plan, outputs, is_delivered)
             return True
@@ -262,7 +235,7 @@ class WorkerSlot:
                 out = RequestOutput(request_id, [], FinishReason.ABORT, 0, 0)
             out.error = error
             failed.append(out)
-        self.deliver(failed)
+        self.listener.deliver(failed)
         self.notify()  # the worker must hear of the aborted ids and free their blocks
 
     async def _planning_failed(self, err: Exception) -> None:
@@ -273,31 +246,13 @@ class WorkerSlot:
         drops its state, and the pool forgets its prefix hashes (a lost move leaves them
         naming KV that was never copied). The worker is not restarted."""
         error = self._controller_error(err, "planning a step")
-        state = self.core.workers[self.index]
-        failed, state.outbox = state.outbox, []  # ended by a protection, not handed out yet
-        for request_id in list(state.scheduler.requests):
-            out = self.core.abort(request_id)
-            if out is not None:
-                out.error = error
-                failed.append(out)
-        state.scheduler.forget_worker_state()
-        self.core.reset_prefix_cache(self.index)
-        self.deliver(failed)
+        self.listener.deliver(self.core.fail_worker_requests(self.index, error))
         # A step sent before the failure may still run, on another thread of the worker
         # with a compiled graph: the reset must come after it.
         await self.transport.drain(self.recovery.ready_timeout_s)
         await self._call_worker(self.handle.reset.remote, self.recovery.ready_timeout_s,
                                 "reset after a controller error")
         self.transport.after_reset()  # the reset retired the steps' numbering
-
-    def _plan_ahead(self) -> None:
-        """Plan and send the next step while the current one runs."""
-        start = time.perf_counter()
-        plan = self.core.begin_step(self.index, is_ahead=True)
-        if plan.is_empty and not plan.finished_request_ids:
-            self.core.discard_step(self.index, plan)
-            return
-        self._ahead = (plan, self._send(plan), start)
 
     def _send(self, plan: StepPlan) -> Awaitable[StepResult]:
         """Submit `plan` to the worker. A failure to submit is the worker's failure too,
@@ -307,7 +262,7 @@ class WorkerSlot:
     def _deadline_s(self, plan: Any) -> float:
         cfg = self.recovery
         context = self.core.scheduler(self.index).step_context_len(plan.step_id)
-        predicted = self.core.workers[self.index].protections.cost_model(
+        predicted = self.core.workers[self.index].protections.step_cost.chunk_s(
             plan.total_num_scheduled_tokens, context)
         return max(cfg.step_deadline_min_s, cfg.step_deadline_factor * predicted)
 
@@ -317,12 +272,12 @@ class WorkerSlot:
         clean state, and it rejoins routing once a fresh incarnation answers."""
         self.num_failures += 1
         self.up.clear()
-        self._ahead = None  # its result is lost with the worker's state
+        self.loop.forget_in_flight()  # its result is lost with the worker's state
         dead_incarnation = self.info.incarnation
         moved_to, aborted = self.core.worker_failed(
             self.index, self.recovery.max_worker_failures_per_request)
-        self.deliver(aborted)
-        self.on_requests_moved(moved_to)
+        self.listener.deliver(aborted)
+        self.listener.on_requests_moved(moved_to)
         self.kill(self.handle)
         self.transport.close()  # a compiled graph dies with the worker's process
         backoff = Backoff(self.recovery.restart_backoff_s, self.recovery.restart_backoff_max_s)

@@ -7,20 +7,22 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.standin_worker import STEP_S, StandInWorkerActor
-from controller.core import ControllerCore, PoolSpec
+from controller.core import ControllerCore, ModelFacts, PoolSpec
 from controller.messages import SamplingParams, StepResult, decode_result, encode_message
+from controller.options import CacheConfig, ControllerOptions, WorkerConfig
 from controller.scheduler import SchedulerConfig
 
 
 @pytest.mark.parametrize("is_wire", [False, True], ids=["objects", "bytes"])
 def test_standin_runs_requests_to_completion_from_plan_diffs(is_wire: bool) -> None:
     """`is_wire`: plans sent as bytes, as actor calls send them; answered in bytes."""
-    worker = StandInWorkerActor("builtin:tiny", num_kv_blocks=64, block_size=16)
+    worker = StandInWorkerActor(WorkerConfig(), CacheConfig(block_size=16, num_kv_blocks=64))
     info = worker.info()
     # No prefix caching: the prompts share a prefix, and a hit skips reporting its chunk.
     core = ControllerCore([PoolSpec(info.num_kv_blocks, info.block_size, False)],
-                          SchedulerConfig(max_num_batched_tokens=48, max_chunk_tokens=32),
-                          eos_token_ids=info.eos_token_ids, vocab_size=info.vocab_size)
+                          ControllerOptions(scheduler=SchedulerConfig(
+                              max_num_batched_tokens=48, max_chunk_tokens=32)),
+                          ModelFacts(info.eos_token_ids, vocab_size=info.vocab_size))
     lengths = {core.add_request(list(range(3, 3 + n)), SamplingParams(
         max_tokens=5, temperature=0.0, ignore_eos=True)).request_id: n for n in (70, 9, 40)}
     tokens: dict[str, list[int]] = {rid: [] for rid in lengths}

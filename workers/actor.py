@@ -11,14 +11,19 @@ the previous one); every other call that touches the worker's state waits its tu
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import uuid
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from controller.budget import AutoBudget, AutoBudgetResult
 from controller.gc_freeze import freeze_long_lived
 from controller.messages import StepPlan, StepResult, decode_plan, encode_message
-from workers.step_gate import StepGate
+from workers.step_gate import WORKER_MAX_CONCURRENCY, StepGate
+
+if TYPE_CHECKING:
+    from workers.worker import CacheSection, WorkerSection
 
 
 @dataclass(frozen=True)
@@ -44,25 +49,23 @@ class WorkerRestartedError(RuntimeError):
 
 
 class WorkerActor:
-    def __init__(self, model: str, num_kv_blocks: int, block_size: int, dtype: str = "float32",
-                 seed: int = 0, device: str = "auto", telemetry: bool = True,
-                 peak_bandwidth_bytes_s: float | None = None, attention_backend: str = "auto",
-                 cuda_graphs: bool = True, max_graph_batch: int = 256,
-                 num_threads: int | None = None) -> None:
-        from workers.telemetry import make_source
-        from workers.worker import Worker  # torch is imported in the actor process only
+    # Read by whoever starts the actor (Ray's `max_concurrency`): the controller names
+    # the class by an import path and imports nothing of the workers.
+    MAX_CONCURRENCY = WORKER_MAX_CONCURRENCY
 
-        self.worker = Worker(model, num_kv_blocks=num_kv_blocks, block_size=block_size,
-                             dtype=dtype, seed=seed, device=_resolve_device(device),
-                             attention_backend=attention_backend, cuda_graphs=cuda_graphs,
-                             max_graph_batch=max_graph_batch,
-                             num_threads=num_threads)
-        if telemetry:
-            self.worker.telemetry = make_source(str(self.worker.device), peak_bandwidth_bytes_s)
+    def __init__(self, section: WorkerSection, cache: CacheSection) -> None:
+        """`section`, `cache`: the validated `worker:` and `cache:` sections, whole (the
+        controller sets `section.device` to where this actor runs)."""
+        from workers.worker import build_worker  # torch is imported in the actor process only
+
+        section = dataclasses.replace(  # type: ignore[type-var]
+            section, device=_resolve_device(section.device))
+        self.worker = build_worker(section, cache)
         self.num_steps = 0
         self.gate = StepGate()
         self.incarnation = uuid.uuid4().hex
-        self.model, self.dtype = model, dtype  # as configured: the budget cache's spec
+        # As configured: the budget cache's spec.
+        self.model, self.dtype = section.model, section.dtype
         freeze_long_lived("worker")  # no full collection of torch's objects mid-step
 
     def info(self) -> WorkerInfo:

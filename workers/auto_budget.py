@@ -75,7 +75,7 @@ def load_or_calibrate(spec: CalibrationSpec, identity: Mapping[str, str], fit: B
     path = cache_path(cache_dir or default_cache_dir(), spec, identity)
     key = cache_key(spec, identity)
     if path.exists():
-        from cluster.budget_file import load_budget_table
+        from workers.budget_file import load_budget_table
 
         try:
             cached = load_budget_table(path)
@@ -98,7 +98,7 @@ def load_or_calibrate(spec: CalibrationSpec, identity: Mapping[str, str], fit: B
 
 
 def _save(table: BudgetTable, path: Path) -> None:
-    from cluster.budget_file import validate_budget
+    from workers.budget_file import validate_budget
 
     validate_budget(table.data)  # what a later load accepts
     path.parent.mkdir(parents=True, exist_ok=True)

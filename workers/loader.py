@@ -1,17 +1,19 @@
-"""Load a Hugging Face checkpoint folder (config.json + *.safetensors) into `LlamaForCausalLM`."""
+"""Load a Hugging Face checkpoint folder (config.json + *.safetensors) into the class the
+model registry names for its `model_type` (workers/models/registry.py)."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
 from torch import Tensor
 
 from workers.model_config import ModelConfig
-from workers.models.llama import LlamaForCausalLM
+from workers.models.registry import model_class
 
 # Keys some checkpoints carry that our model derives instead of storing.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -76,7 +78,7 @@ def load_model(
     folder: str | Path,
     dtype: torch.dtype | str = torch.float32,
     device: str | torch.device = "cpu",
-) -> tuple[LlamaForCausalLM, ModelConfig]:
+) -> tuple[Any, ModelConfig]:
     """Build the model from `folder/config.json` and load its weights strictly."""
     folder = Path(folder)
     config_path = folder / "config.json"
@@ -96,7 +98,7 @@ def load_model(
 
     # Build on `meta` so no memory is spent on an init that the load overwrites.
     with build_on_meta():
-        model = LlamaForCausalLM(config)
+        model = model_class(config.model_type)(config)
     expected = set(model.state_dict())
     missing, unexpected = expected - state.keys(), state.keys() - expected
     if missing or unexpected:

@@ -22,9 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from workers.models.registry import MODEL_TYPE_TO_CLASS
+
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = tuple(MODEL_TYPE_TO_CLASS)  # one line each in workers/models/registry.py
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 DEFAULT_ROPE_THETA = 10000.0
 
@@ -83,6 +85,17 @@ class ModelConfig:
             return self.sliding_window
         return self.max_position_embeddings
 
+    def kv_bytes_per_token(self, elem: int) -> int:
+        """K and V of one token in every layer, `elem` bytes per value."""
+        return 2 * self.num_hidden_layers * self.kv_size * elem
+
+    def activation_bytes_per_token(self, elem: int) -> int:
+        """One write and one read, per layer, of each intermediate vector of a token (norm
+        in/out, q/k/v, attention out, gate/up/act): the step's activation traffic."""
+        per_layer = 4 * self.hidden_size + 2 * self.q_size + 2 * self.kv_size
+        per_layer += 3 * self.intermediate_size
+        return 2 * self.num_hidden_layers * per_layer * elem
+
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:
         with open(path, encoding="utf-8") as f:
@@ -91,9 +104,9 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         model_type = raw.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
+        if model_type not in MODEL_TYPE_TO_CLASS:
             raise ValueError(
-                f"unsupported model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}"
+                f"unsupported model_type {model_type!r}; supported: {tuple(MODEL_TYPE_TO_CLASS)}"
             )
         hidden_size = int(raw["hidden_size"])
         num_heads = int(raw["num_attention_heads"])

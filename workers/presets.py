@@ -29,7 +29,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from workers.loader import build_on_meta
 from workers.model_config import ModelConfig
-from workers.models.llama import LlamaForCausalLM
+from workers.models.registry import model_class
 from workers.tokenizer import DEFAULT_CHAT_TEMPLATE
 
 PRESET_VERSION = 1
@@ -125,7 +125,8 @@ def preset_config_dict(spec: PresetSpec) -> dict[str, object]:
 
 def random_state_dict(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     with build_on_meta():
-        shapes = {k: v.shape for k, v in LlamaForCausalLM(config).state_dict().items()}
+        shapes = {k: v.shape for k, v in
+                  model_class(config.model_type)(config).state_dict().items()}
     generator = torch.Generator(device="cpu").manual_seed(seed)
     state: dict[str, torch.Tensor] = {}
     for name in sorted(shapes):

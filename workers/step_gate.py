@@ -4,7 +4,7 @@ A worker actor takes two calls at once (`WORKER_MAX_CONCURRENCY`) so that Ray's 
 call, done on the actor's side, overlaps the step before it: while step n runs, Ray
 receives and decodes step n+1 (sent ahead by the controller's async scheduling) on a
 second thread, and step n's reply is encoded and sent while n+1 already runs. Without it
-those costs sit between two steps, serial with the device (~1 ms per step on a small CPU).
+those costs sit between two steps, serial with the device.
 
 Each plan is a diff on the one before, so the gate restores the order: the sender numbers
 its calls (`seq` 0, 1, 2, ...) under a name of its own (`sender`, new for every transport:

@@ -22,17 +22,16 @@ Bytes-moved estimate (feeds the CPU bandwidth telemetry), per step:
   + KV read        = sum over spans of context_len * kv_bytes_per_token
   + KV written     = T * kv_bytes_per_token
   + activations    = T * act_bytes_per_token + S * vocab * 4 (fp32 logits)
-where kv_bytes_per_token = 2 * layers * kv_size * elem and act_bytes_per_token counts, per layer,
-one write + read of each intermediate vector (norm in/out, q/k/v, attention out, gate/up/act).
+where kv_bytes_per_token and act_bytes_per_token come from the model's config
+(`ModelConfig.kv_bytes_per_token`, `ModelConfig.activation_bytes_per_token`).
 A chunk's `bytes_moved` uses the same terms for its own tokens plus its pro-rata share of weights.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from functools import cached_property
 
 import numpy as np
@@ -41,77 +40,40 @@ from torch import Tensor
 
 from controller.messages import (
     CachedRequestData,
-    ChunkComplete,
     NewRequestData,
-    SamplingParams,
     StepPlan,
     StepResult,
 )
-from controller.settings import check_thread_count
 from workers.attention import HostStaging, SeqSpan, StepMetadata, allocate_kv_cache, make_backend
 from workers.cuda_graphs import DecodeGraphs, Forward
 from workers.loader import load_model, parse_dtype
 from workers.model_config import ModelConfig
 from workers.presets import resolve_model
 from workers.sampler import Sampler, SamplingRow
+from workers.sections import CacheSection, RunOptions, WorkerSection
+from workers.step_results import StepResults
+from workers.step_state import PendingStep, RequestState, resolve_num_threads
 from workers.telemetry import TelemetrySource
 from workers.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class RequestState:
-    token_ids: list[int]  # prompt + generated, including tokens sampled by this worker
-    num_computed: int  # tokens whose K/V are in the cache
-    num_admitted_tokens: int  # len(token_ids) at admission: spans starting before are prefill
-    num_output_tokens: int
-    sampling_params: SamplingParams
-    num_chunks: int = 0  # ChunkComplete events emitted so far (next chunk_index)
-    # The block table row, kept as a growable int64 array: a step copies its first blocks
-    # into the step's table with one slice assignment, whatever the context length.
-    _blocks: np.ndarray = field(default_factory=lambda: np.zeros(8, dtype=np.int64))
-    _num_blocks: int = 0
+def build_worker(section: WorkerSection, cache: CacheSection) -> Worker:
+    """The one way a serving worker is built (the worker actor, `LocalEngine`): from the
+    validated `worker:` and `cache:` sections, with its bandwidth telemetry when asked."""
+    worker = Worker(section.model, cache.num_kv_blocks, cache.block_size, dtype=section.dtype,
+                    seed=section.seed, device=section.device, run=RunOptions(
+                        section.num_threads, section.attention_backend, section.cuda_graphs,
+                        section.max_graph_batch))
+    if section.telemetry:
+        from workers.telemetry import make_source
 
-    @property
-    def block_ids(self) -> np.ndarray:
-        return self._blocks[: self._num_blocks]
-
-    def add_blocks(self, block_ids: list[int]) -> None:
-        end = self._num_blocks + len(block_ids)
-        if end > len(self._blocks):
-            grown = np.zeros(max(end, 2 * len(self._blocks)), dtype=np.int64)
-            grown[: self._num_blocks] = self.block_ids
-            self._blocks = grown
-        self._blocks[self._num_blocks : end] = block_ids
-        self._num_blocks = end
+        worker.telemetry = make_source(str(worker.device), section.peak_bandwidth_bytes_s)
+    return worker
 
 
-@dataclass
-class PendingStep:
-    """A launched step (`Worker.launch`) until its result is taken (`Worker.wait`)."""
-
-    plan: StepPlan
-    start_s: float  # perf_counter at launch
-    end_s: float | None = None  # CPU: when the step had run (inside `launch`)
-    start_event: torch.cuda.Event | None = None  # CUDA: recorded before the step's work
-    spans: dict[str, SeqSpan] = field(default_factory=dict)  # plan order
-    sampling_ids: list[str] = field(default_factory=list)  # requests that sample, in order
-    tokens: list[int] = field(default_factory=list)  # sampled ids, once on the host
-    host_ids: Tensor | None = None  # CUDA: pinned buffer the ids are copied into
-    done: torch.cuda.Event | None = None  # CUDA: recorded after that copy
-
-
-def resolve_num_threads(num_threads: int) -> int:
-    """N > 0 threads as given; -1 every core this process may run on (Ray pins an actor
-    to its reserved CPUs otherwise), -2 all but one, ...; at least one."""
-    check_thread_count("num_threads", num_threads)
-    if num_threads > 0:
-        return num_threads
-    return max(1, len(os.sched_getaffinity(0)) + 1 + num_threads)
-
-
-class Worker:
+class Worker(StepResults):
     def __init__(
         self,
         model: str,
@@ -121,22 +83,22 @@ class Worker:
         seed: int = 0,
         keep_logits: bool = False,
         device: str = "cpu",
-        num_threads: int | None = None,
-        attention_backend: str = "auto",
-        cuda_graphs: bool = True,
-        max_graph_batch: int = 256,
+        run: RunOptions | None = None,
     ) -> None:
-        """`num_threads`: torch intra-op threads (process-wide) for CPU execution; None keeps
-        the process's default (torch's one per core, or Ray's reserved CPUs in an actor); a
-        negative count is relative to the cores the process may run on (-1: all, -2: all
-        but one), as joblib counts jobs. On a shared machine fewer threads than cores
-        is often faster: every parallel region waits for its slowest, possibly descheduled,
-        thread.
+        """`run` (`RunOptions`): how steps run on the device. `num_threads`: torch intra-op
+        threads (process-wide) for CPU execution; None keeps the process's default (torch's
+        one per core, or Ray's reserved CPUs in an actor); a negative count is relative to
+        the cores the process may run on (-1: all, -2: all but one), as joblib counts jobs.
+        On a shared machine fewer threads than cores is often faster: every parallel region
+        waits for its slowest, possibly descheduled, thread.
 
         `attention_backend`: "auto" (triton on CUDA, torch on CPU), "torch" or "triton"
         (workers/attention). `cuda_graphs`: replay decode-only steps of up to `max_graph_batch`
         sequences from CUDA graphs (workers/cuda_graphs.py); only where the device is CUDA
         and the backend capturable (triton), ignored elsewhere."""
+        run = run or RunOptions()
+        num_threads, attention_backend = run.num_threads, run.attention_backend
+        cuda_graphs, max_graph_batch = run.cuda_graphs, run.max_graph_batch
         if num_threads is not None:
             torch.set_num_threads(resolve_num_threads(num_threads))
         # "auto" and "cuda" both fall back to CPU where no GPU is present.
@@ -186,10 +148,8 @@ class Worker:
         self.telemetry: TelemetrySource | None = None
 
         elem = self.dtype.itemsize
-        self._kv_bytes_per_token = 2 * cfg.num_hidden_layers * cfg.kv_size * elem
-        per_layer = 4 * cfg.hidden_size + 2 * cfg.q_size + 2 * cfg.kv_size
-        per_layer += 3 * cfg.intermediate_size
-        self._act_bytes_per_token = 2 * cfg.num_hidden_layers * per_layer * elem
+        self._kv_bytes_per_token = cfg.kv_bytes_per_token(elem)
+        self._act_bytes_per_token = cfg.activation_bytes_per_token(elem)
         embed_bytes = cfg.vocab_size * cfg.hidden_size * elem
         self._matmul_weight_bytes = self.weight_bytes - (
             0 if cfg.tie_word_embeddings else embed_bytes
@@ -249,6 +209,10 @@ class Worker:
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         return self._config.eos_token_ids
+
+    @property
+    def max_model_len(self) -> int:
+        return self._config.max_model_len
 
     @property
     def num_params(self) -> int:
@@ -465,12 +429,6 @@ class Worker:
                                          dtype=torch.int64, pin_memory=True)
         return self._host_ids[:num]
 
-    def _sample_telemetry(self, result: StepResult) -> StepResult:
-        if self.telemetry is not None:
-            sample = self.telemetry.sample(result.bytes_moved, result.elapsed_s, time.monotonic())
-            result.bandwidth_utilization = sample.bandwidth_utilization
-        return result
-
     def _remap_blocks(self, moves: dict[int, int]) -> tuple[np.ndarray, np.ndarray]:
         """Defragmentation, host side: the requests' block tables follow the moves at once;
         -> (sources, destinations), whose K/V rows `_copy_blocks` moves (on CUDA from the
@@ -488,42 +446,3 @@ class Worker:
         for k_cache, v_cache in self.kv_caches:
             k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
             v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
-
-    def _finish_step(
-        self, plan: StepPlan, spans: dict[str, SeqSpan], sampled: dict[str, int], elapsed_s: float
-    ) -> StepResult:
-        num_tokens = sum(span.num_query_tokens for span in spans.values())
-        result = StepResult(step_id=plan.step_id, elapsed_s=elapsed_s, num_tokens=num_tokens)
-        total_bytes = self._matmul_weight_bytes + len(sampled) * self.vocab_size * 4
-        for request_id, span in spans.items():
-            state = self._requests[request_id]
-            begin = span.context_len - span.num_query_tokens
-            span_bytes = self._span_bytes(span)
-            total_bytes += span_bytes
-            if span.num_query_tokens > 1 or begin < state.num_admitted_tokens:
-                weight_share = self._matmul_weight_bytes * span.num_query_tokens // num_tokens
-                result.chunk_events.append(
-                    ChunkComplete(
-                        request_id=request_id,
-                        chunk_index=state.num_chunks,
-                        start=begin,
-                        num_tokens=span.num_query_tokens,
-                        elapsed_s=elapsed_s,
-                        bytes_moved=span_bytes + weight_share,
-                    )
-                )
-                state.num_chunks += 1
-            state.num_computed = span.context_len
-            token = sampled.get(request_id)
-            result.sampled_token_ids[request_id] = [] if token is None else [token]
-            if token is not None:
-                state.token_ids.append(token)
-                state.num_output_tokens += 1
-        result.bytes_moved = total_bytes
-        return result
-
-    def _span_bytes(self, span: SeqSpan) -> int:
-        """KV read + KV written + activations of one span (weights excluded)."""
-        kv = (span.context_len + span.num_query_tokens) * self._kv_bytes_per_token
-        embed_row = self._config.hidden_size * self.dtype.itemsize
-        return kv + span.num_query_tokens * (self._act_bytes_per_token + embed_row)

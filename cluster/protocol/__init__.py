@@ -40,6 +40,7 @@ from cluster.protocol.requests import MAX_STOP_SEQUENCES as MAX_STOP_SEQUENCES
 from cluster.protocol.requests import TEMPERATURE_MAX as TEMPERATURE_MAX
 from cluster.protocol.requests import ChatCompletionRequest, CompletionRequest, StreamOptions
 from cluster.protocol.responses import (
+    Head,
     chat_completion_response,
     completion_response,
     models_response,
@@ -77,6 +78,7 @@ __all__ = [
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionRequest",
+    "Head",
     "ProtocolError",
     "StopStringMatcher",
     "StreamOptions",

@@ -8,7 +8,17 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
+
+
+@dataclass(frozen=True)
+class Head:
+    """What every body and chunk of one answer carries: its id, the model, its creation."""
+
+    request_id: str
+    model: str
+    created: int
 
 
 def new_completion_id() -> str:
@@ -65,9 +75,7 @@ def _envelope(
 
 
 def completion_response(
-    request_id: str,
-    model: str,
-    created: int,
+    head: Head,
     text: str,
     finish_reason: str | None,
     prompt_len: int,
@@ -78,15 +86,13 @@ def completion_response(
     """Non-streamed /v1/completions body. With `return_token_ids`, vLLM puts both `token_ids`
     and `prompt_token_ids` on the choice for completions; we do the same."""
     choice = _choice("text", text, finish_reason, token_ids, prompt_token_ids)
-    body = _envelope(request_id, "text_completion", created, model, [choice])
+    body = _envelope(head.request_id, "text_completion", head.created, head.model, [choice])
     body["usage"] = _usage(prompt_len, completion_len)
     return body
 
 
 def chat_completion_response(
-    request_id: str,
-    model: str,
-    created: int,
+    head: Head,
     text: str,
     finish_reason: str | None,
     prompt_len: int,
@@ -98,7 +104,7 @@ def chat_completion_response(
     `prompt_token_ids` on the response."""
     message = {"role": "assistant", "content": text}
     choice = _choice("message", message, finish_reason, token_ids)
-    body = _envelope(request_id, "chat.completion", created, model, [choice])
+    body = _envelope(head.request_id, "chat.completion", head.created, head.model, [choice])
     body["usage"] = _usage(prompt_len, completion_len)
     if prompt_token_ids is not None:
         body["prompt_token_ids"] = list(prompt_token_ids)

@@ -6,15 +6,13 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from cluster.protocol.responses import _choice, _envelope, _usage
+from cluster.protocol.responses import Head, _choice, _envelope, _usage
 
 SSE_DONE = b"data: [DONE]\n\n"
 
 
 def completion_chunk(
-    request_id: str,
-    model: str,
-    created: int,
+    head: Head,
     text: str,
     finish_reason: str | None = None,
     *,
@@ -26,16 +24,14 @@ def completion_chunk(
     `prompt_token_ids` on the first chunk only (vLLM's convention). With `include_usage`,
     OpenAI sends `"usage": null` on every chunk but the final usage chunk."""
     choice = _choice("text", text, finish_reason, token_ids, prompt_token_ids)
-    chunk = _envelope(request_id, "text_completion", created, model, [choice])
+    chunk = _envelope(head.request_id, "text_completion", head.created, head.model, [choice])
     if include_usage:
         chunk["usage"] = None
     return chunk
 
 
 def chat_completion_chunk(
-    request_id: str,
-    model: str,
-    created: int,
+    head: Head,
     content: str | None = None,
     finish_reason: str | None = None,
     *,
@@ -58,7 +54,7 @@ def chat_completion_chunk(
     else:
         delta = {}
     choice = _choice("delta", delta, finish_reason, token_ids)
-    chunk = _envelope(request_id, "chat.completion.chunk", created, model, [choice])
+    chunk = _envelope(head.request_id, "chat.completion.chunk", head.created, head.model, [choice])
     if prompt_token_ids is not None:
         chunk["prompt_token_ids"] = list(prompt_token_ids)
     if include_usage:
@@ -67,9 +63,7 @@ def chat_completion_chunk(
 
 
 def usage_chunk(
-    request_id: str,
-    model: str,
-    created: int,
+    head: Head,
     prompt_len: int,
     completion_len: int,
     *,
@@ -77,7 +71,7 @@ def usage_chunk(
 ) -> dict[str, Any]:
     """The last event of a stream with `stream_options.include_usage`: no choices, usage set."""
     object_ = "chat.completion.chunk" if chat else "text_completion"
-    chunk = _envelope(request_id, object_, created, model, [])
+    chunk = _envelope(head.request_id, object_, head.created, head.model, [])
     chunk["usage"] = _usage(prompt_len, completion_len)
     return chunk
 

@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 import torch
 
-from cluster.budget_file import load_budget_table
 from cluster.config import TokenflowConfig
 from cluster.engine import LocalEngine
 from cluster.serve import describe_budget
@@ -24,6 +23,7 @@ from controller.options import budgeted_scheduler
 from tests.unit.test_controller_actor import _Method, make_actor
 from workers import auto_budget
 from workers.auto_budget import cache_key, load_or_calibrate, worker_budget_table
+from workers.budget_file import load_budget_table
 from workers.calibrate import CalibrationSpec, Calibrator
 from workers.worker import Worker
 

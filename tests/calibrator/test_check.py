@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from cluster.budget_file import load_budget_table
 from cluster.cli import drift_report, main
 from controller.budget import BudgetTable
+from workers.budget_file import load_budget_table
 
 NOISE_TOLERANCE = "19.0"
 DOCTOR_FACTOR = 1000.0

@@ -104,7 +104,7 @@ def test_the_running_scheduler_gets_the_derived_slo_and_budget() -> None:
     assert cfg.calibration.itl_slo_ms is None
     table = derived(cpu_like())
     sched = budgeted_scheduler(cfg.scheduler, table, cfg.budget_fit(), cfg.cache)
-    _, itl_slo_s = cfg.step_cost(table)
+    itl_slo_s = cfg.controller_options().with_budget_table(table, cfg.budget_fit()).itl_slo_s
     assert itl_slo_s == pytest.approx(table.derived_slo_ms() / 1e3)
     assert sched.max_num_batched_tokens > table.limits["plan_decodes"] + 32
 

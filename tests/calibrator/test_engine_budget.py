@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from cluster.budget_file import load_budget_table
 from cluster.config import TokenflowConfig
 from cluster.engine import LocalEngine
-from controller.budget import BudgetTable
+from controller.budget import BudgetTable, StepCost
 from controller.messages import SamplingParams
+from workers.budget_file import load_budget_table
 
 SLO_MS = 20.0
 
@@ -47,9 +47,10 @@ def test_engine_uses_budget_file_field(table_path: Path) -> None:
     table = load_budget_table(table_path)
     _check_engine(engine, table)
     # Deviation warnings and budget_score compare against the table's cost model.
-    cost_model = engine.core.workers[0].protections.cost_model
-    assert cost_model(48, 16) == pytest.approx(table.predict(48, 16))
-    assert cost_model(48, 16) != TokenflowConfig().cost_model()(48, 16)
+    step_cost = engine.core.workers[0].protections.step_cost
+    assert step_cost.chunk_s(48, 16) == pytest.approx(table.predict(48, 16))
+    uncalibrated = StepCost.per_token(TokenflowConfig().protections.seconds_per_token)
+    assert step_cost.chunk_s(48, 16) != uncalibrated.chunk_s(48, 16)
 
 
 def test_engine_uses_budget_file_env(table_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from cluster.budget_file import load_budget_table
 from cluster.config import TokenflowConfig
 from cluster.engine import LocalEngine
 from cluster.serve import describe_budget
@@ -23,6 +22,7 @@ from controller.actor import ControllerActor
 from controller.options import WorkerConfig, budgeted_scheduler
 from tests.unit.fake_runner import FakeRunner
 from tests.unit.test_controller_actor import VOCAB, FakeWorkerHandle
+from workers.budget_file import load_budget_table
 from workers.presets import resolve_model
 
 BUDGET_ENV = "TOKENFLOW_SCHEDULER__MAX_NUM_BATCHED_TOKENS"

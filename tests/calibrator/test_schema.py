@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from cluster.budget_file import load_budget_table, validate_budget
+from workers.budget_file import load_budget_table, validate_budget
 
 
 @pytest.fixture

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from cluster.budget_file import load_budget_table
 from cluster.cli import allowed_drift, drift_report, main
 from cluster.config import TokenflowConfig
 from controller.budget import BudgetTable
 from tests.calibrator.conftest import SMALL_RUN
+from workers.budget_file import load_budget_table
 from workers.calibrate import (
     CalibrationSpec,
     GridSizing,

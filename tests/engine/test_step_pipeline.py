@@ -1,5 +1,5 @@
 """`LocalEngine` with `scheduler.async_scheduling`: the next step is planned and launched
-while the worker runs the current one (controller/pipeline.py). On the real model
+while the worker runs the current one (controller/step_loop.py). On the real model
 (builtin:tiny, CPU) every request gets the tokens of the serial engine, token by token:
 greedy ones that may stop on EOS or a stop token, seeded random ones, long prompts cut into
 chunks, over a KV pool small enough to preempt; aborts while a step runs leak no block.
@@ -54,7 +54,7 @@ def test_async_engine_gives_the_serial_engines_tokens(num_kv_blocks: int) -> Non
     if num_kv_blocks == 20:
         assert serial.scheduler.stats.num_preemptions > 0
     pipelined = _engine(True, num_kv_blocks)
-    assert pipelined.pipeline is not None
+    assert pipelined.loop.is_ahead
     got = _generate(pipelined)
     assert [reason for _, reason in expected].count("stop") >= 2
     for i, (want, have) in enumerate(zip(expected, got, strict=True)):
@@ -69,7 +69,7 @@ def test_async_engine_abort_while_a_step_runs_leaks_nothing() -> None:
     for _ in range(4):
         for out in engine.step():
             outputs[out.request_id].append(out)
-    assert engine.pipeline is not None and engine.pipeline.is_in_flight
+    assert engine.loop.is_in_flight
     engine.abort(ids[1])
     for rid in ids:
         outputs[rid] += list(engine.stream(rid))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cluster.engine import LocalEngine
-from workers.worker import Worker
+from workers.worker import RunOptions, Worker
 
 
 @pytest.fixture
@@ -29,4 +29,4 @@ def test_num_threads_reaches_torch(restore_threads):
         LocalEngine(worker={"model": "builtin:tiny", "telemetry": False, "num_threads": 1})
         assert torch.get_num_threads() == 1
     with pytest.raises(ValueError, match="num_threads"):
-        Worker("builtin:tiny", num_kv_blocks=8, block_size=4, num_threads=0)
+        Worker("builtin:tiny", num_kv_blocks=8, block_size=4, run=RunOptions(num_threads=0))

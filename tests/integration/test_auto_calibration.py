@@ -13,10 +13,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-from cluster.budget_file import load_budget_table
 from cluster.config import TokenflowConfig
 from controller.budget import BudgetTable
 from controller.options import budgeted_scheduler
+from workers.budget_file import load_budget_table
 
 
 def _start(config: TokenflowConfig) -> tuple[Any, dict[str, Any], dict[str, Any]]:

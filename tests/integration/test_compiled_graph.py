@@ -77,12 +77,12 @@ def _standin(namespace: str) -> Any:
     import ray
 
     from benchmarks.standin_worker import StandInWorkerActor
-    from workers.step_gate import WORKER_MAX_CONCURRENCY
+    from controller.options import CacheConfig, WorkerConfig
 
     return ray.remote(StandInWorkerActor).options(
-        num_cpus=0.01, max_concurrency=WORKER_MAX_CONCURRENCY, max_restarts=-1,
+        num_cpus=0.01, max_concurrency=StandInWorkerActor.MAX_CONCURRENCY, max_restarts=-1,
         namespace=namespace
-    ).remote("builtin:tiny", 64, 8)
+    ).remote(WorkerConfig(), CacheConfig(block_size=8, num_kv_blocks=64))
 
 
 def _fail_compile(handle: Any, incarnation: str) -> Any:

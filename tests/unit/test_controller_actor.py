@@ -20,11 +20,11 @@ import pytest
 
 from cluster.controller_client import RayControllerClient, run_request
 from controller.actor import ControllerActor
-from controller.core import NoWorkerUpError
 from controller.messages import (
     Ack,
     Delta,
     FinishReason,
+    RequestOutput,
     SamplingParams,
     StepPlan,
     StepResult,
@@ -32,7 +32,7 @@ from controller.messages import (
     encode_message,
 )
 from controller.options import ControllerOptions, WorkerConfig
-from controller.request import RequestOutput
+from controller.routing import NoWorkerUpError
 from controller.scheduler import SchedulerConfig
 from controller.worker_loop import RecoveryConfig
 from tests.unit.fake_runner import FakeRunner
@@ -510,8 +510,8 @@ def test_a_controller_error_finishing_a_step_fails_its_requests_not_the_worker(
                 actor.core.finish_step, lambda w, plan, result: plan.num_scheduled_tokens,
                 "victim", nth)
         else:  # the journal's step boundary, after the outputs were delivered
-            slot.on_step = raise_once_after(
-                slot.on_step, lambda result: result.sampled_token_ids, "victim", nth)
+            slot.listener.on_step = raise_once_after(  # type: ignore[method-assign]
+                slot.listener.on_step, lambda result: result.sampled_token_ids, "victim", nth)
         victim, bystander = await asyncio.gather(collect(client, [1, 2, 3], "victim"),
                                                  collect(client, [4, 5, 6], "bystander"))
         assert victim[0].worker == worker and bystander[0].worker != worker

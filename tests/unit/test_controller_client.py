@@ -9,6 +9,7 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
+from cluster.config import EdgeConfig
 from cluster.controller_client import RayControllerClient
 from controller.messages import Ack, Delta, FinishReason, SamplingParams
 
@@ -125,7 +126,7 @@ def test_a_request_submitted_during_a_reconnect_keeps_the_stream_alive() -> None
 
     async def main() -> None:
         handle = ScriptedHandle()
-        client = RayControllerClient(handle, reconnect_backoff_s=0.001)
+        client = RayControllerClient(handle, EdgeConfig(reconnect_backoff_s=0.001))
         _, a_deltas = await client.submit([1], PARAMS, "a", 0, "t")
         first = await handle.next_stream()
         first.push([Delta("a", 0, [5], None, 1, 1)])
@@ -161,7 +162,8 @@ def test_a_submit_in_flight_when_the_stream_ends_for_good_is_aborted() -> None:
 
     async def main() -> None:
         handle = ScriptedHandle()
-        client = RayControllerClient(handle, reconnect_backoff_s=0.001, reconnect_timeout_s=0)
+        client = RayControllerClient(handle, EdgeConfig(reconnect_backoff_s=0.001,
+                                                        reconnect_timeout_s=0))
         _, a_deltas = await client.submit([1], PARAMS, "a", 0, "t")
         first = await handle.next_stream()
         handle.submit_gates["r"] = asyncio.Event()

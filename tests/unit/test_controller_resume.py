@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from cluster.config import EdgeConfig
 from cluster.controller_client import RayControllerClient
 from controller.actor import ControllerActor
 from controller.journal import JournalConfig
@@ -153,7 +154,7 @@ class Checkpoint:
 def test_streams_resume_without_gap_or_duplicate_after_a_restart(server) -> None:
     async def main() -> None:
         handle, workers = make_handle(server.url, "resume:")
-        client = RayControllerClient(handle, reconnect_backoff_s=0.001)
+        client = RayControllerClient(handle, EdgeConfig(reconnect_backoff_s=0.001))
         prompts = [[1 + i, 2 + i, 3, 4, 5 + i] for i in range(4)]
         checkpoint = Checkpoint(workers)
         streams = [Stream(client, p, f"r{i}", checkpoint.check) for i, p in enumerate(prompts)]
@@ -202,7 +203,7 @@ def test_streams_resume_without_gap_or_duplicate_after_a_restart(server) -> None
 def test_without_a_journal_open_streams_end_with_a_clear_error() -> None:
     async def main() -> None:
         handle, workers = make_handle(None, "")
-        client = RayControllerClient(handle, reconnect_backoff_s=0.001)
+        client = RayControllerClient(handle, EdgeConfig(reconnect_backoff_s=0.001))
         checkpoint = Checkpoint(workers)
         streams = [Stream(client, [1 + i, 2, 3], f"r{i}", checkpoint.check) for i in range(3)]
         checkpoint.arm(streams, 2)
@@ -260,7 +261,7 @@ def test_a_submit_cut_by_a_controller_crash_is_sent_again_and_changes_no_token(
     async def main() -> None:
         made, workers = make_handle(server.url, f"cut-{when}:")  # its first actor never starts
         handle = CrashingSubmitHandle(made.make_actor, {"cut": when})
-        client = RayControllerClient(handle, reconnect_backoff_s=0.001)
+        client = RayControllerClient(handle, EdgeConfig(reconnect_backoff_s=0.001))
         hold(workers, True)  # no step of the first controller ends: the crash cuts it short
         try:
             ack, deltas = await client.submit([4, 5, 6, 7], PARAMS, "cut", 0, "default")

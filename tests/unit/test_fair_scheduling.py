@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import itertools
 
-from controller.budget import CostModel, LinearStepCost
+from controller.budget import LinearFit, StepCost
 from controller.core import ControllerCore, PoolSpec
 from controller.messages import SamplingParams, StepPlan
+from controller.options import ControllerOptions
 from controller.protections import ProtectionConfig
 from controller.scheduler import SchedulerConfig
 from tests.unit.fake_runner import FakeRunner
@@ -16,7 +17,7 @@ from tests.unit.fake_runner import FakeRunner
 BLOCK = 16
 NUM_USERS = 8
 # A quadratic attention term (c): a chunk at depth 6000 costs far more than one at depth 0.
-TRUE_COST = LinearStepCost(CostModel(5e-3, 2e-5, 6e-9), CostModel(4e-3, 1e-4, 5e-9), tile=16)
+TRUE_COST = StepCost(LinearFit(5e-3, 2e-5, 6e-9), LinearFit(4e-3, 1e-4, 5e-9), tile=16)
 SLO_S = 0.05
 
 
@@ -26,14 +27,16 @@ class Scene:
     time, as the real worker does) and the scheduler sizes chunks with `model`."""
 
     def __init__(self, budget: int = 256, num_blocks: int = 4096,
-                 model: LinearStepCost | None = None, cost: LinearStepCost | None = None,
+                 model: StepCost | None = None, cost: StepCost | None = None,
                  protections: ProtectionConfig | None = None, **scheduler: object) -> None:
         self.now = 0.0
         self.core = ControllerCore(
-            [PoolSpec(num_blocks, BLOCK, False)],
-            SchedulerConfig(max_num_batched_tokens=budget, **scheduler),  # type: ignore[arg-type]
-            clock=lambda: self.now, protection_config=protections or ProtectionConfig(),
-            step_cost=model, itl_slo_s=SLO_S if model is not None else None)
+            [PoolSpec(num_blocks, BLOCK, False)], ControllerOptions(
+                scheduler=SchedulerConfig(max_num_batched_tokens=budget,
+                                          **scheduler),  # type: ignore[arg-type]
+                protections=protections or ProtectionConfig(),
+                step_cost=model, itl_slo_s=SLO_S if model is not None else None),
+            clock=lambda: self.now)
         self.sched = self.core.scheduler(0)
         self.runner = FakeRunner(self.sched)
         self.cost, self.factor = cost, 1.0

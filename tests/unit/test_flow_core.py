@@ -6,6 +6,7 @@ from __future__ import annotations
 from controller.core import ControllerCore, PoolSpec
 from controller.flow import FlowConfig, Mode
 from controller.messages import SamplingParams, StepPlan
+from controller.options import ControllerOptions
 from controller.protections import ProtectionConfig
 from controller.scheduler import SchedulerConfig
 from tests.unit.fake_runner import FakeRunner
@@ -21,11 +22,11 @@ class Harness:
         self.now = 0.0
         self.dt = dt
         self.core = ControllerCore(
-            [PoolSpec(num_blocks, 4, False)],
-            SchedulerConfig(max_num_batched_tokens=budget, max_chunk_tokens=max_chunk_tokens,
-                            **scheduler),
-            clock=lambda: self.now, flow_config=FlowConfig(),
-            protection_config=protections or ProtectionConfig())
+            [PoolSpec(num_blocks, 4, False)], ControllerOptions(
+                scheduler=SchedulerConfig(max_num_batched_tokens=budget,
+                                          max_chunk_tokens=max_chunk_tokens, **scheduler),
+                flow=FlowConfig(), protections=protections or ProtectionConfig()),
+            clock=lambda: self.now)
         self.sched = self.core.scheduler(0)
         self.runner = FakeRunner(self.sched, chunk_cost=chunk_cost, bandwidth=bandwidth)
         self.plans: list[StepPlan] = []

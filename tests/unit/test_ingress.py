@@ -21,9 +21,9 @@ from fastapi.testclient import TestClient
 from cluster.config import TokenflowConfig
 from cluster.frontend import CHAT, COMPLETIONS
 from cluster.ingress import OpenAIServer, add_routes, sse_events
-from controller.core import QueueFullError
 from controller.messages import Ack, Delta, FinishReason, SamplingParams
 from controller.request_metrics import MetricsSnapshot, RequestMetrics
+from controller.routing import QueueFullError
 from workers.presets import resolve_model
 
 

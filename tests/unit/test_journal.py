@@ -15,11 +15,13 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from controller.core import ControllerCore, PoolSpec
+from controller.core import ControllerCore, ModelFacts, PoolSpec
 from controller.journal import Journal, JournalConfig
-from controller.messages import SamplingParams, StepPlan, StepResult
-from controller.request import Request, RequestOutput
+from controller.messages import RequestOutput, SamplingParams, StepPlan, StepResult
+from controller.options import ControllerOptions
+from controller.request import Request
 from controller.scheduler import SchedulerConfig
+from controller.step_loop import StepLoop
 from tests.redis_server import RedisServer
 from tests.unit.fake_runner import FakeRunner
 
@@ -36,8 +38,9 @@ def server() -> Iterator[RedisServer]:
 
 
 def make_core() -> tuple[ControllerCore, FakeRunner]:
-    core = ControllerCore([PoolSpec(256, 4)], SchedulerConfig(
-        max_num_batched_tokens=32, max_chunk_tokens=8, max_num_seqs=64), vocab_size=100)
+    core = ControllerCore([PoolSpec(256, 4)], ControllerOptions(scheduler=SchedulerConfig(
+        max_num_batched_tokens=32, max_chunk_tokens=8, max_num_seqs=64)),
+        ModelFacts(vocab_size=100))
     return core, FakeRunner(core.scheduler(0), vocab_size=100)
 
 
@@ -65,7 +68,7 @@ class Driver:
             chunk_events.extend(result.chunk_events)
             return result
 
-        outputs = self.core.step(0, execute)
+        outputs = StepLoop.serial(self.core, 0, execute).step().outputs
         for out in outputs:
             self.tokens[out.request_id].extend(out.new_token_ids)
             if out.finished:

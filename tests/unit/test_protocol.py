@@ -14,6 +14,7 @@ from cluster.protocol import (
     BatchLineError,
     ChatCompletionRequest,
     CompletionRequest,
+    Head,
     ProtocolError,
     StopStringMatcher,
     apply_stop_strings,
@@ -443,7 +444,7 @@ def test_ids() -> None:
 
 
 def test_completion_response_shape() -> None:
-    body = completion_response("cmpl-1", "m", 123, "hi there", "stop", 3, 2, None, None)
+    body = completion_response(Head("cmpl-1", "m", 123), "hi there", "stop", 3, 2, None, None)
     assert body == {
         "id": "cmpl-1",
         "object": "text_completion",
@@ -455,49 +456,49 @@ def test_completion_response_shape() -> None:
 
 
 def test_completion_response_token_ids() -> None:
-    body = completion_response("cmpl-1", "m", 1, "x", "length", 2, 1, [9], [1, 2])
+    body = completion_response(Head("cmpl-1", "m", 1), "x", "length", 2, 1, [9], [1, 2])
     assert body["choices"][0]["token_ids"] == [9]
     assert body["choices"][0]["prompt_token_ids"] == [1, 2]
 
 
 def test_chat_completion_response_shape() -> None:
-    body = chat_completion_response("chatcmpl-1", "m", 5, "yo", "length", 4, 1, [7], [1, 2])
+    body = chat_completion_response(Head("chatcmpl-1", "m", 5), "yo", "length", 4, 1, [7], [1, 2])
     assert body["object"] == "chat.completion"
     choice = body["choices"][0]
     assert choice["message"] == {"role": "assistant", "content": "yo"}
     assert choice["finish_reason"] == "length" and choice["token_ids"] == [7]
     assert body["prompt_token_ids"] == [1, 2]
     assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5}
-    plain = chat_completion_response("chatcmpl-1", "m", 5, "yo", "stop", 4, 1)
+    plain = chat_completion_response(Head("chatcmpl-1", "m", 5), "yo", "stop", 4, 1)
     assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
 
 
 def test_completion_chunk() -> None:
-    chunk = completion_chunk("cmpl-1", "m", 1, "ab")
+    chunk = completion_chunk(Head("cmpl-1", "m", 1), "ab")
     assert chunk["object"] == "text_completion" and "usage" not in chunk
     assert chunk["choices"] == [{"index": 0, "text": "ab", "logprobs": None, "finish_reason": None}]
-    last = completion_chunk("cmpl-1", "m", 1, "", "stop", token_ids=[3], include_usage=True)
+    last = completion_chunk(Head("cmpl-1", "m", 1), "", "stop", token_ids=[3], include_usage=True)
     assert last["choices"][0]["finish_reason"] == "stop"
     assert last["choices"][0]["token_ids"] == [3] and last["usage"] is None
 
 
 def test_chat_chunks() -> None:
-    first = chat_completion_chunk("chatcmpl-1", "m", 1, first=True, prompt_token_ids=[1])
+    first = chat_completion_chunk(Head("chatcmpl-1", "m", 1), first=True, prompt_token_ids=[1])
     assert first["object"] == "chat.completion.chunk"
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert first["choices"][0]["finish_reason"] is None and first["prompt_token_ids"] == [1]
-    mid = chat_completion_chunk("chatcmpl-1", "m", 1, "tok", token_ids=[5])
+    mid = chat_completion_chunk(Head("chatcmpl-1", "m", 1), "tok", token_ids=[5])
     assert mid["choices"][0]["delta"] == {"content": "tok"}
     assert mid["choices"][0]["token_ids"] == [5]
-    end = chat_completion_chunk("chatcmpl-1", "m", 1, None, "stop")
+    end = chat_completion_chunk(Head("chatcmpl-1", "m", 1), None, "stop")
     assert end["choices"][0]["delta"] == {} and end["choices"][0]["finish_reason"] == "stop"
 
 
 def test_usage_chunk() -> None:
-    u = usage_chunk("chatcmpl-1", "m", 1, 3, 4, chat=True)
+    u = usage_chunk(Head("chatcmpl-1", "m", 1), 3, 4, chat=True)
     assert u["choices"] == [] and u["object"] == "chat.completion.chunk"
     assert u["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
-    assert usage_chunk("cmpl-1", "m", 1, 0, 0, chat=False)["object"] == "text_completion"
+    assert usage_chunk(Head("cmpl-1", "m", 1), 0, 0, chat=False)["object"] == "text_completion"
 
 
 def test_models_response() -> None:
@@ -654,7 +655,7 @@ def test_request_class_for_unknown_url() -> None:
 
 
 def test_batch_output_line_success() -> None:
-    resp = completion_response("cmpl-9", "m", 1, "x", "stop", 1, 1)
+    resp = completion_response(Head("cmpl-9", "m", 1), "x", "stop", 1, 1)
     out = batch_output_line("r1", resp, None, 200)
     assert out["id"].startswith("batch_req_") and out["custom_id"] == "r1"
     assert out["response"] == {"status_code": 200, "request_id": "cmpl-9", "body": resp}

@@ -1,4 +1,5 @@
-"""`StepPipeline` (controller/pipeline.py) against a fake worker that keeps its own state.
+"""`StepLoop` (controller/step_loop.py), serial and planned ahead, against a fake worker
+that keeps its own state.
 
 `LaunchWaitWorker` splits a `FakeRunner` (which checks every plan diff against the state
 its own diffs built) into `launch` and `wait` as the real worker does, and records the
@@ -11,10 +12,11 @@ give every request the same tokens, including requests that stop early on a stop
 
 from __future__ import annotations
 
-from controller.core import ControllerCore, PoolSpec
+from controller.core import ControllerCore, ModelFacts, PoolSpec
 from controller.messages import FinishReason, SamplingParams, StepPlan, StepResult
-from controller.pipeline import StepPipeline
+from controller.options import ControllerOptions
 from controller.scheduler import SchedulerConfig
+from controller.step_loop import StepLoop
 from tests.unit.fake_runner import FakeRunner
 from tests.unit.test_async_scheduling import VOCAB, next_token, workload
 
@@ -46,17 +48,15 @@ class LaunchWaitWorker:
 def run(is_pipelined: bool, num_blocks: int = 24
         ) -> tuple[dict[str, tuple[list[int], FinishReason | None]], LaunchWaitWorker,
                    ControllerCore]:
-    core = ControllerCore([PoolSpec(num_blocks, 4, True)],
-                          SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8,
-                                          max_chunk_tokens=8),
-                          eos_token_ids=(0,), vocab_size=VOCAB)
+    core = ControllerCore([PoolSpec(num_blocks, 4, True)], ControllerOptions(
+        scheduler=SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8,
+                                  max_chunk_tokens=8)), ModelFacts((0,), vocab_size=VOCAB))
     worker = LaunchWaitWorker(core)
     ids = [core.add_request(prompt, params).request_id for _, prompt, params in workload()]
     got: dict[str, tuple[list[int], FinishReason | None]] = {rid: ([], None) for rid in ids}
-    pipeline = StepPipeline(core, 0, worker.launch, worker.wait)
-    while pipeline.has_work() if is_pipelined else core.has_work(0):
-        outputs = pipeline.step().outputs if is_pipelined else \
-            core.step(0, lambda plan: worker.wait(worker.launch(plan)))
+    loop = StepLoop(core, 0, worker.launch, worker.wait, is_ahead=is_pipelined)
+    while loop.has_work():
+        outputs = loop.step().outputs
         for out in outputs:
             tokens, _ = got[out.request_id]
             got[out.request_id] = (tokens + out.new_token_ids, out.finish_reason)
@@ -97,13 +97,13 @@ def test_pipelined_under_kv_pressure_preempts_nobody_ahead_and_matches() -> None
 
 
 def test_an_abort_while_a_step_runs_releases_its_blocks() -> None:
-    core = ControllerCore([PoolSpec(24, 4, False)],
-                          SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8),
-                          eos_token_ids=(0,), vocab_size=VOCAB)
+    core = ControllerCore([PoolSpec(24, 4, False)], ControllerOptions(
+        scheduler=SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8)),
+        ModelFacts((0,), vocab_size=VOCAB))
     worker = LaunchWaitWorker(core)
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     ids = [core.add_request([i + 1] * 6, params).request_id for i in range(3)]
-    pipeline = StepPipeline(core, 0, worker.launch, worker.wait)
+    pipeline = StepLoop(core, 0, worker.launch, worker.wait, is_ahead=True)
     for _ in range(3):
         pipeline.step()
     assert pipeline.is_in_flight

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from controller.messages import Delta, FinishReason
-from controller.request import RequestOutput
+from controller.messages import Delta, FinishReason, RequestOutput
 from controller.streams import Subscriber
 
 

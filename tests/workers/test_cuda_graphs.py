@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from workers.cuda_graphs import DecodeGraphs, graph_buckets, pick_bucket
-from workers.worker import Worker
+from workers.worker import RunOptions, Worker
 
 
 def test_buckets_like_nano_vllm():
@@ -40,5 +40,6 @@ def test_cpu_worker_runs_eagerly_on_the_torch_backend(tiny_path):
         assert worker.backend.name == "triton" and worker.graphs is not None
     else:
         assert worker.backend.name == "torch" and worker.graphs is None
-    eager = Worker("builtin:tiny", num_kv_blocks=4, block_size=16, cuda_graphs=False)
+    eager = Worker("builtin:tiny", num_kv_blocks=4, block_size=16,
+                   run=RunOptions(cuda_graphs=False))
     assert eager.graphs is None

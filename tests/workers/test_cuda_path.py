@@ -20,7 +20,7 @@ from tests.workers.attention_cases import make_case, torch_reference
 from tests.workers.helpers import Driver, build_hf_checkpoint, random_ids
 from workers.attention.triton_backend import TritonBackend
 from workers.cuda_graphs import graph_buckets
-from workers.worker import Worker
+from workers.worker import RunOptions, Worker
 
 CUDA = torch.device("cuda")
 # Long decodes (split-K where few), chunks over cached context crossing many blocks.
@@ -49,7 +49,7 @@ def test_fp32_greedy_equals_transformers_on_cuda(checkpoint, cuda_graphs):
     hf = tf.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).to(CUDA).eval()
     hf.generation_config.eos_token_id = None
     worker = Worker(str(checkpoint), num_kv_blocks=256, block_size=16, device="cuda",
-                    cuda_graphs=cuda_graphs, max_graph_batch=8)
+                    run=RunOptions(cuda_graphs=cuda_graphs, max_graph_batch=8))
     assert worker.backend.name == "triton" and (worker.graphs is not None) == cuda_graphs
     driver = Driver(worker)
     prompts = {f"r{i}": random_ids(n, seed=300 + i) for i, n in enumerate((3, 40, 130, 77))}
@@ -134,24 +134,25 @@ def test_fused_layers_match_the_torch_layers_on_cuda(checkpoint, dtype, tol):
 
 
 def test_step_pipeline_on_cuda_gives_the_serial_tokens(checkpoint):
-    """The step pipeline (controller/pipeline.py) where `launch` returns before the device
-    has run the step: the same tokens as serial stepping, greedy and seeded sampling, with
-    decode-only steps replayed from graphs and mixed steps eager. Core and worker driven
-    directly, as the GPU benchmark does (the GPU image has no pydantic for LocalEngine)."""
+    """The step loop planned ahead (controller/step_loop.py) where `launch` returns before
+    the device has run the step: the same tokens as serial stepping, greedy and seeded
+    sampling, with decode-only steps replayed from graphs and mixed steps eager. Core and
+    worker driven directly, as the GPU benchmark does (the GPU image has no pydantic for
+    LocalEngine)."""
     import random
 
-    from controller.core import ControllerCore, PoolSpec
+    from controller.core import ControllerCore
     from controller.messages import SamplingParams
-    from controller.pipeline import StepPipeline
+    from controller.options import CacheConfig, ControllerOptions
     from controller.scheduler import SchedulerConfig
+    from controller.step_loop import StepLoop
 
     def generate(is_async: bool) -> dict[str, list[int]]:
         worker = Worker(str(checkpoint), num_kv_blocks=256, block_size=16, device="cuda",
-                        max_graph_batch=8)
-        core = ControllerCore([PoolSpec(256, 16, True)],
-                              SchedulerConfig(max_num_batched_tokens=96, max_num_seqs=8),
-                              eos_token_ids=tuple(worker.eos_token_ids),
-                              vocab_size=worker.vocab_size)
+                        run=RunOptions(max_graph_batch=8))
+        core = ControllerCore.for_workers(ControllerOptions(
+            cache=CacheConfig(block_size=16, num_kv_blocks=256),
+            scheduler=SchedulerConfig(max_num_batched_tokens=96, max_num_seqs=8)), [worker])
         rng = random.Random(3)
         params = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
                   SamplingParams(max_tokens=20, temperature=0.9, seed=4, ignore_eos=True)]
@@ -160,9 +161,9 @@ def test_step_pipeline_on_cuda_gives_the_serial_tokens(checkpoint):
             rid = core.add_request([rng.randrange(3, 250) for _ in range(n)],
                                    params[i % 2]).request_id
             got[rid] = []
-        pipeline = StepPipeline(core, 0, worker.launch, worker.wait)
-        while pipeline.has_work() if is_async else core.has_work(0):
-            outputs = pipeline.step().outputs if is_async else core.step(0, worker.execute)
+        loop = StepLoop(core, 0, worker.launch, worker.wait, is_ahead=is_async)
+        while loop.has_work():
+            outputs = loop.step().outputs
             for out in outputs:
                 got[out.request_id] += out.new_token_ids
         core.check_integrity()

@@ -1,0 +1,112 @@
+"""The scheduler's settings (`scheduler:`) and the values it plans with: a step's limits, its
+shape (for pricing) and the scheduler's counters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from controller.messages import CacheEvict
+from controller.settings import FORBID_EXTRA, check_settings, setting
+
+
+@dataclass
+class SchedulerConfig:
+    """The scheduler's settings (`scheduler:` in the configuration). Mutable: the
+    comparison policies widen the budget for one step."""
+
+    __pydantic_config__ = FORBID_EXTRA
+
+    max_num_batched_tokens: int = setting(2048, ge=1, description=(
+        "Token budget of one step (decode tokens + prefill chunk tokens). 2048 is vLLM's "
+        "online default on ordinary GPUs; a budget file (calibration.budget_file) "
+        "replaces it."))
+    max_num_seqs: int = setting(256, ge=1, description="Running requests per worker at most.")
+    max_chunk_tokens: int | None = setting(None, ge=1, description=(
+        "Cap on one prefill chunk; None means the whole budget."))
+    long_prefill_token_threshold: int | None = setting(None, ge=1, description=(
+        "A prompt (with its generated tokens) longer than this is long: capped by "
+        "max_long_partial_prefills, and leaving short_prefill_share of each step's "
+        "prefill budget to short prompts. None: max_num_batched_tokens (a prompt that "
+        "fits in one step is short)."))
+    max_long_partial_prefills: int = setting(1, ge=1, description=(
+        "Long prompts being chunked at once; a further long prompt waits without "
+        "blocking short ones behind it (vLLM's max_long_partial_prefills)."))
+    short_prefill_share: float = setting(0.25, gt=0, lt=1, description=(
+        "Share of a step's prefill budget (and of its predicted time under the ITL SLO) "
+        "that long chunks leave free while short prompts wait."))
+    max_concurrent_chunks: int = setting(4, ge=1, description=(
+        "Prefill chunks per step in NORMAL flow mode (flow control lowers it: "
+        "flow.throttle_chunks, flow.throttle_hard_chunks, 0 under cache pressure)."))
+    async_scheduling: bool = setting(False, description=(
+        "Plan a worker's next step while its current one runs: in the Ray step loop the "
+        "controller's planning and the actor round trip hide behind the device; in process "
+        "(LocalEngine, controller/step_loop.py) the next step is launched as soon as the "
+        "current one is done and the controller plans and applies while it runs. Tokens "
+        "sampled by the running step are "
+        "pending in the next plan (the worker feeds them), a request that finishes is "
+        "dropped a step later, and nobody is preempted while a step runs ahead. The same "
+        "tokens either way (vLLM's --async-scheduling)."))
+    scheduling_policy: Literal["tokenflow", "prefill-first", "prefill-priority-chunked"] = (
+        setting("tokenflow", description=(
+            "tokenflow: decode-first unified budget with flow control. The others exist to "
+            "be measured against: prefill-first (vLLM V0: whole prompts in prefill-only "
+            "steps) and prefill-priority-chunked (nano-vllm: only a step's first prefill "
+            "is cut; prefill and decode never share a step).")))
+    tenant_weights: dict[str, float] = field(default_factory=dict, metadata={"description": (
+        "Weights of tenants (X-Tenant-Id) in each step's prefill budget; absent = 1.0.")})
+    defrag_threshold: float | None = setting(0.30, gt=0, lt=1, description=(
+        "KV defragmentation: compact used blocks when more than this share lies outside "
+        "the compact region (30 %); None disables it."))
+    defrag_max_moves: int = setting(64, ge=1, description=(
+        "KV blocks moved per step at most (bounds the copy's cost)."))
+    defrag_every_steps: int = setting(16, ge=1, description=(
+        "Steps between fragmentation checks (fragmentation is O(blocks): look only now "
+        "and then)."))
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+        chunk = self.max_chunk_tokens
+        if chunk is not None and chunk > self.max_num_batched_tokens:
+            raise ValueError("scheduler.max_chunk_tokens must not exceed "
+                             "scheduler.max_num_batched_tokens")
+
+
+@dataclass
+class StepShape:
+    """What a plan carries, for pricing the step once its time is known."""
+
+    step_id: int
+    chunks: dict[str, tuple[int, int]] = field(default_factory=dict)  # id -> (tokens, ctx)
+    num_decodes: int = 0
+    decode_context: int = 0  # the longest
+
+
+@dataclass(frozen=True)
+class StepLimits:
+    """What flow control and the protections allow in one step, passed to `schedule`."""
+
+    max_chunks: int | None = None  # prefill chunks this step (0: decodes only); None: config
+    chunk_cap: int | None = None  # a smaller chunk cap (degraded path); None: config
+    # With prefill stopped and nothing decoding, let one running prefill continue (under
+    # cache pressure only finishing requests free blocks). False in PREFILL_PAUSED, which
+    # recovers from telemetry alone.
+    progress_guard: bool = True
+    # False while an earlier step still runs (planned ahead): a victim's blocks could be
+    # written by that step after they were given to someone else, so nobody is preempted;
+    # a request that finds no block waits a step.
+    may_preempt: bool = True
+
+
+@dataclass
+class SchedulerStats:
+    """Filled by the core, exported by the metrics module at the edge."""
+
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_scheduled_tokens: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_finished: int = 0
+    num_defrag_moves: int = 0
+    cache_evicts: list[CacheEvict] = field(default_factory=list)
