@@ -24,9 +24,11 @@ MAY_IMPORT = {
     "kvcache": set(),
 }
 # What of the controller the workers may import: the messages that cross the door and the
-# budget table the worker measures. `controller.gc_freeze` is a process utility beside
-# them: standard library only (checked below), so it opens no path back into the controller.
-WORKERS_MAY_IMPORT = {"controller.messages", "controller.budget", "controller.gc_freeze"}
+# budget table the worker measures (with the step cost model it is fitted into).
+# `controller.gc_freeze` is a process utility beside them: standard library only (checked
+# below), so it opens no path back into the controller.
+WORKERS_MAY_IMPORT = {"controller.messages", "controller.budget", "controller.step_cost",
+                      "controller.gc_freeze"}
 
 
 def test_controller_and_kvcache_cores_import_no_torch_ray_or_pydantic():
