@@ -23,6 +23,18 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One position's log-probabilities (controller/logprobs.py): the token there, its
+    log-probability, and the most likely tokens with theirs. Here because it crosses the
+    door: the worker builds it, the controller and the edge read it."""
+
+    token_id: int
+    logprob: float
+    top_ids: tuple[int, ...] = ()  # most likely first
+    top_logprobs: tuple[float, ...] = ()
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick the next token. Validated at the edge (ingress, batch reader)."""
@@ -35,6 +47,10 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()  # stop strings: applied where text is decoded
+    # Log-probabilities (controller/logprobs.py): None off, k >= 0 the sampled token's
+    # plus the k most likely; `prompt_logprobs` the same for every prompt token (echo).
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -121,6 +137,10 @@ class StepResult:
     # The worker's telemetry sample for this step (workers/telemetry.py), 0..1 of peak
     # memory bandwidth; None when the worker has no telemetry source.
     bandwidth_utilization: float | None = None
+    # Requests whose params ask for them: the sampled token's log-probabilities, and the
+    # prompt positions this step's span scored as (position of the first, entries).
+    sampled_logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
 
 
 class FinishReason(enum.StrEnum):
@@ -142,6 +162,8 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_tokens: int = 0
     error: str | None = None  # set when the request was aborted by a protection
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when the params ask
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt positions 1.., in order
 
     @property
     def finished(self) -> bool:
@@ -169,6 +191,8 @@ class Delta:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None  # set when a protection or a failed worker aborted it
+    logprobs: list[TokenLogprob] | None = None  # one per token in token_ids, when asked
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt positions 1.., when asked
 
     @property
     def is_finished(self) -> bool:
@@ -178,7 +202,7 @@ class Delta:
     def from_output(cls, out: RequestOutput, worker: int) -> Delta:
         return cls(out.request_id, worker, list(out.new_token_ids), out.finish_reason,
                    out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens,
-                   out.error)
+                   out.error, out.logprobs, out.prompt_logprobs)
 
     @classmethod
     def merge(cls, deltas: list[Delta]) -> Delta:
@@ -188,12 +212,20 @@ class Delta:
         last = deltas[-1]
         return cls(last.request_id, last.worker, [t for d in deltas for t in d.token_ids],
                    last.finish_reason, last.num_prompt_tokens, last.num_output_tokens,
-                   last.num_cached_tokens, next((d.error for d in deltas if d.error), None))
+                   last.num_cached_tokens, next((d.error for d in deltas if d.error), None),
+                   _joined([d.logprobs for d in deltas]),
+                   _joined([d.prompt_logprobs for d in deltas]))
 
     @classmethod
     def failed(cls, request_id: str, error: str) -> Delta:
         """The end of a request whose delta stream broke on the way to its consumer."""
         return cls(request_id, -1, finish_reason=FinishReason.ABORT, error=error)
+
+
+def _joined(parts: list[list[TokenLogprob] | None]) -> list[TokenLogprob] | None:
+    if all(part is None for part in parts):
+        return None
+    return [entry for part in parts if part for entry in part]
 
 
 @dataclass
@@ -212,11 +244,15 @@ class DeltaBatch:
     num_output_tokens: list[int] = field(default_factory=list)
     num_cached_tokens: list[int] = field(default_factory=list)
     errors: list[str | None] = field(default_factory=list)
+    logprobs: list[list[TokenLogprob] | None] = field(default_factory=list)
+    prompt_logprobs: list[list[TokenLogprob] | None] = field(default_factory=list)
 
     def append(self, delta: Delta) -> None:
         self._add(delta.request_id, delta.worker, delta.token_ids, delta.finish_reason,
                   (delta.num_prompt_tokens, delta.num_output_tokens, delta.num_cached_tokens),
                   delta.error)
+        self.logprobs.append(delta.logprobs)
+        self.prompt_logprobs.append(delta.prompt_logprobs)
 
     def append_output(self, out: RequestOutput, worker: int) -> None:
         """`append(Delta.from_output(out, worker))` without the `Delta` (the step loop's
@@ -225,6 +261,8 @@ class DeltaBatch:
         self._add(out.request_id, worker, out.new_token_ids, out.finish_reason,
                   (out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens),
                   out.error)
+        self.logprobs.append(out.logprobs)
+        self.prompt_logprobs.append(out.prompt_logprobs)
 
     def _add(self, request_id: str, worker: int, token_ids: list[int],
              reason: FinishReason | None, counts: tuple[int, int, int],
@@ -254,12 +292,12 @@ class DeltaBatch:
         return len(self.request_ids)
 
     def __iter__(self) -> Iterator[Delta]:
-        for rid, worker, ids, reason, num_prompt, num_output, num_cached, error in zip(
+        for rid, worker, ids, reason, num_prompt, num_output, num_cached, error, lps, plps in zip(
                 self.request_ids, self.workers, self.token_ids, self.finish_reasons,
                 self.num_prompt_tokens, self.num_output_tokens, self.num_cached_tokens,
-                self.errors, strict=True):
+                self.errors, self.logprobs, self.prompt_logprobs, strict=True):
             yield Delta(rid, worker, ids, None if reason is None else FinishReason(reason),
-                        num_prompt, num_output, num_cached, error)
+                        num_prompt, num_output, num_cached, error, lps, plps)
 
 
 def encode_message(message: StepPlan | StepResult) -> bytes:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from controller.logprobs import PromptLogprobs
 from controller.messages import FinishReason, RequestOutput, SamplingParams
 
 __all__ = ["Request", "RequestOutput", "RequestStatus"]  # RequestOutput: its old home
@@ -57,6 +58,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     arrival_seq: int = 0  # tie-breaker set by the scheduler: strict arrival order
     first_scheduled_time: float | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # gathered when the params ask (echo)
 
     @property
     def num_prompt_tokens(self) -> int:

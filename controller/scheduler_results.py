@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from controller.logprobs import PromptLogprobs
 from controller.messages import RequestOutput, StepPlan, StepResult
 from controller.request import Request, RequestStatus
 from controller.scheduler_config import SchedulerStats, StepShape
@@ -53,6 +54,11 @@ class SchedulerResults:
             assert len(sampled) <= request.num_pending_outputs
             request.num_pending_outputs -= len(sampled)
             request.output_token_ids.extend(sampled)
+            prompt_lps = result.prompt_logprobs.get(request_id)
+            if prompt_lps is not None:
+                if request.prompt_logprobs is None:
+                    request.prompt_logprobs = PromptLogprobs()
+                request.prompt_logprobs.add(*prompt_lps)
             # Computed (or planned: steps run in order, the next one writes it before
             # anyone reads it) and known: full blocks up to there can be hashed.
             num_ready = min(request.num_computed_tokens, request.num_tokens)
@@ -62,7 +68,12 @@ class SchedulerResults:
             if finish is not None:
                 self._finish(request, finish)
             if sampled or finish is not None:
-                outputs.append(self._output(request, sampled))
+                out = self._output(request, sampled)
+                if sampled and request.sampling_params.logprobs is not None:
+                    out.logprobs = [result.sampled_logprobs[request_id]]
+                if request.prompt_logprobs is not None and sampled:
+                    out.prompt_logprobs = request.prompt_logprobs.take()
+                outputs.append(out)
         return outputs
 
     def _finish(self, request: Request, status: RequestStatus) -> None:

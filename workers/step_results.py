@@ -1,17 +1,21 @@
 """A worker's results side (a part of `Worker`): a step's `StepResult` with its sampled
 tokens, one `ChunkComplete` per prefill chunk, the bytes the step moved (the model's
-config prices them) and the telemetry sample taken on it."""
+config prices them), the telemetry sample taken on it, and the log-probabilities its
+requests ask for (workers/logprobs.py)."""
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
+from torch import Tensor
 
 from controller.messages import ChunkComplete, StepPlan, StepResult
 from workers.attention import SeqSpan
+from workers.logprobs import score_rows
 from workers.model_config import ModelConfig
-from workers.step_state import RequestState
+from workers.step_state import PendingStep, RequestState
 from workers.telemetry import TelemetrySource
 
 
@@ -22,6 +26,7 @@ class StepResults:
     _act_bytes_per_token: int
     _matmul_weight_bytes: int
     _config: ModelConfig
+    model: Any
     dtype: torch.dtype
     vocab_size: int
 
@@ -69,3 +74,44 @@ class StepResults:
         kv = (span.context_len + span.num_query_tokens) * self._kv_bytes_per_token
         embed_row = self._config.hidden_size * self.dtype.itemsize
         return kv + span.num_query_tokens * (self._act_bytes_per_token + embed_row)
+
+    def _score(self, pending: PendingStep, hidden: Tensor, logits: Tensor, ids: Tensor) -> None:
+        """Queue the log-probabilities the step's requests ask for: their sampled tokens'
+        (rows of `logits`, which has one per sampling request) and, for echo requests, the
+        prompt tokens their span predicts (row i of a span predicts position begin + i + 1;
+        extra logits rows only for those requests)."""
+        rows = [j for j, rid in enumerate(pending.sampling_ids)
+                if self._requests[rid].sampling_params.logprobs is not None]
+        if rows:
+            index = torch.tensor(rows, dtype=torch.long).to(logits.device)
+            nums_top = [self._requests[pending.sampling_ids[j]].sampling_params.logprobs or 0
+                        for j in rows]
+            pending.sampled_scores = ([pending.sampling_ids[j] for j in rows], score_rows(
+                logits.index_select(0, index), ids.to(logits.device).index_select(0, index),
+                nums_top))
+        for rid, span in pending.spans.items():
+            state = self._requests[rid]
+            num_top = state.sampling_params.prompt_logprobs
+            begin = span.context_len - span.num_query_tokens
+            end = min(span.context_len, state.num_prompt_tokens - 1)  # last position scored
+            if num_top is None or end <= begin:
+                continue
+            targets = state.token_ids[begin + 1 : end + 1]
+            span_logits = self.model.compute_logits(
+                hidden[span.query_start : span.query_start + end - begin])
+            target_ids = torch.tensor(targets, dtype=torch.long).to(span_logits.device)
+            pending.prompt_scores.append(
+                (rid, begin + 1, targets,
+                 score_rows(span_logits, target_ids, [num_top] * len(targets))))
+
+    @staticmethod
+    def _add_logprobs(result: StepResult, pending: PendingStep,
+                      sampled: dict[str, int]) -> StepResult:
+        """The queued scores on the host, into the step's result (the step has run)."""
+        if pending.sampled_scores is not None:
+            rids, scored = pending.sampled_scores
+            entries = scored.to_entries([sampled[rid] for rid in rids])
+            result.sampled_logprobs.update(zip(rids, entries, strict=True))
+        for rid, start, targets, scored in pending.prompt_scores:
+            result.prompt_logprobs[rid] = (start, scored.to_entries(targets))
+        return result

@@ -15,6 +15,7 @@ from controller.messages import (
     StepPlan,
 )
 from workers.attention import SeqSpan
+from workers.logprobs import ScoredRows
 
 
 @dataclass
@@ -29,6 +30,11 @@ class RequestState:
     # into the step's table with one slice assignment, whatever the context length.
     _blocks: np.ndarray = field(default_factory=lambda: np.zeros(8, dtype=np.int64))
     _num_blocks: int = 0
+    # Positions past it are outputs (prompt log-probabilities): set from the admission.
+    num_prompt_tokens: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = self.num_admitted_tokens - self.num_output_tokens
 
     @property
     def block_ids(self) -> np.ndarray:
@@ -57,6 +63,10 @@ class PendingStep:
     tokens: list[int] = field(default_factory=list)  # sampled ids, once on the host
     host_ids: Tensor | None = None  # CUDA: pinned buffer the ids are copied into
     done: torch.cuda.Event | None = None  # CUDA: recorded after that copy
+    # Log-probabilities queued on the device (workers/logprobs.py): the sampling rows that
+    # asked, and per echo request (id, first position, its prompt tokens, their scores).
+    sampled_scores: tuple[list[str], ScoredRows] | None = None
+    prompt_scores: list[tuple[str, int, list[int], ScoredRows]] = field(default_factory=list)
 
 
 def resolve_num_threads(num_threads: int) -> int:

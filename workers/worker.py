@@ -38,12 +38,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from controller.messages import (
-    CachedRequestData,
-    NewRequestData,
-    StepPlan,
-    StepResult,
-)
+from controller.messages import CachedRequestData, NewRequestData, StepPlan, StepResult
 from workers.attention import HostStaging, SeqSpan, StepMetadata, allocate_kv_cache, make_backend
 from workers.cuda_graphs import DecodeGraphs, Forward
 from workers.loader import load_model, parse_dtype
@@ -391,12 +386,14 @@ class Worker(StepResults):
             # The step's one device-to-host copy, queued behind the step: into pinned memory,
             # so that it runs asynchronously; `wait` reads it once `done` has passed.
             ids = self.sampler.sample_on_device(logits, sampling, sampling_inputs)
+            self._score(pending, hidden, logits, ids)
             pending.host_ids = self._pinned_ids(len(sample_rows))
             pending.host_ids.copy_(ids, non_blocking=True)
             pending.done = torch.cuda.Event(enable_timing=True)
             pending.done.record()
         else:
             pending.tokens = self.sampler(logits, sample_rows)
+            self._score(pending, hidden, logits, torch.tensor(pending.tokens, dtype=torch.long))
             pending.end_s = time.perf_counter()  # the step has run: its time ends here
         return pending
 
@@ -419,7 +416,8 @@ class Worker(StepResults):
         if not pending.spans:
             return self._sample_telemetry(StepResult(step_id=plan.step_id, elapsed_s=elapsed_s))
         sampled = dict(zip(pending.sampling_ids, pending.tokens, strict=True))
-        return self._sample_telemetry(self._finish_step(plan, pending.spans, sampled, elapsed_s))
+        result = self._finish_step(plan, pending.spans, sampled, elapsed_s)
+        return self._sample_telemetry(self._add_logprobs(result, pending, sampled))
 
     def _pinned_ids(self, num: int) -> Tensor:
         """[num] int64 in pinned host memory; one buffer, reused: a launched step's ids are
