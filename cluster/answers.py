@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Callable
 
 from cluster import protocol as p
 from cluster.frontend import Frontend, Prepared, TextStream, openai_finish_reason
+from cluster.protocol.logprobs import LogprobsFormatter
 from controller.messages import Delta, FinishReason
 
 logger = logging.getLogger(__name__)
@@ -45,13 +46,14 @@ async def advance(frontend: Frontend, text: TextStream, delta: Delta,
                   abort: Callable[[], object]) -> tuple[str, FinishReason | None]:
     """`text.advance` for one delta; a long delta (a stream that fell behind) is
     detokenized on the frontend's pool. `abort` always runs here, on the event loop."""
+    token_ids = text.take_scores(delta)
     if (frontend.executor is None
-            or text.num_to_decode(delta.token_ids, delta.finish_reason)
+            or text.num_to_decode(token_ids, delta.finish_reason)
             < frontend.config.edge.detokenize_in_thread_tokens):
-        return text.advance(delta.token_ids, delta.finish_reason, abort)
+        return text.advance(token_ids, delta.finish_reason, abort)
     stopped: list[bool] = []
     piece, reason = await asyncio.get_running_loop().run_in_executor(
-        frontend.executor, text.advance, delta.token_ids, delta.finish_reason,
+        frontend.executor, text.advance, token_ids, delta.finish_reason,
         lambda: stopped.append(True))
     if stopped:
         abort()
@@ -72,6 +74,9 @@ async def sse_events(frontend: Frontend, prepared: Prepared, request_id: str,
     prompt_ids: list[int] | None = prepared.prompt_token_ids if return_ids else None
     text = frontend.text_stream(prepared)
     reason: FinishReason | None = None
+    echo = frontend.echo_text(prepared)  # completions' echo: the first chunk leads with it
+    formatter = LogprobsFormatter(frontend.token_text)
+    num_sent = 0  # text.logprobs already in a chunk
     try:
         if chat:  # OpenAI's first chat chunk announces the role
             yield p.sse(p.chat_completion_chunk(head, first=True,
@@ -90,7 +95,13 @@ async def sse_events(frontend: Frontend, prepared: Prepared, request_id: str,
             if reason is not None:
                 reason = openai_finish_reason(text, reason)
             ids = delta.token_ids if return_ids else None
-            if piece or ids or reason is not None:
+            logprobs = frontend.logprobs_body(
+                prepared, formatter, text.logprobs[num_sent:],
+                text.prompt_logprobs if echo and num_sent == 0 else None, len(echo))
+            num_sent = len(text.logprobs)
+            if echo:
+                piece, echo = echo + piece, ""
+            if piece or ids or reason is not None or logprobs:
                 if chat:
                     chunk = p.chat_completion_chunk(head, piece or None,
                                                     reason, token_ids=ids,
@@ -100,6 +111,7 @@ async def sse_events(frontend: Frontend, prepared: Prepared, request_id: str,
                                                token_ids=ids, prompt_token_ids=prompt_ids,
                                                include_usage=include_usage)
                     prompt_ids = None
+                chunk["choices"][0]["logprobs"] = logprobs
                 yield p.sse(chunk)
             if reason is not None:
                 break

@@ -8,6 +8,7 @@ stop string ends a request); the finished text becomes an OpenAI response body.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -17,7 +18,9 @@ from jinja2 import TemplateError
 
 from cluster import protocol as p
 from cluster.config import TokenflowConfig
-from controller.messages import FinishReason, SamplingParams
+from cluster.protocol.logprobs import LogprobsFormatter
+from controller.logprobs import TokenLogprob
+from controller.messages import Delta, FinishReason, SamplingParams
 from workers.tokenizer import IncrementalDetokenizer, Tokenizer
 
 COMPLETIONS = "/v1/completions"
@@ -44,13 +47,26 @@ class TextStream:
     batch line): ids are only gathered and decoded once at the end, the same text as the
     incremental decode gives, for a fraction of the CPU (two decodes per token saved)."""
 
-    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...], is_lazy: bool = False):
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...], is_lazy: bool = False,
+                 is_prompt_only: bool = False):
         self.detok = IncrementalDetokenizer(tokenizer)
         self.matcher = p.StopStringMatcher(list(stop))
         self.is_lazy = is_lazy and not stop
+        self.is_prompt_only = is_prompt_only  # echo with max_tokens=0: outputs dropped
         self.text = ""
         self.token_ids: list[int] = []
         self.stopped = False
+        self.logprobs: list[TokenLogprob] = []  # one per generated token, when asked
+        self.prompt_logprobs: list[TokenLogprob] = []  # prompt positions 1.. (echo)
+
+    def take_scores(self, delta: Delta) -> list[int]:
+        """Keep the delta's log-probabilities; -> the ids to decode (none when only the
+        prompt was asked for)."""
+        self.prompt_logprobs.extend(delta.prompt_logprobs or ())
+        if self.is_prompt_only:
+            return []
+        self.logprobs.extend(delta.logprobs or ())
+        return delta.token_ids
 
     def push(self, new_token_ids: list[int]) -> str:
         if self.stopped:
@@ -107,6 +123,9 @@ class Frontend:
         self.config = config
         self.vocab_size = vocab_size
         self.executor = executor
+        # A token's own text, for log-probability objects (the same few ids recur).
+        self.token_text = functools.lru_cache(maxsize=65536)(
+            lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False))
 
     def prepare(self, url: str, body: dict | bytes | str) -> Prepared:
         """Validate and tokenize one request; raises ProtocolError (400/404/422). CPU-bound
@@ -165,22 +184,52 @@ class Frontend:
         """Lazy (decoded once at the end) unless deltas are streamed or stop strings are
         watched for."""
         return TextStream(self.tokenizer, prepared.params.stop,
-                          is_lazy=not getattr(prepared.request, "stream", False))
+                          is_lazy=not getattr(prepared.request, "stream", False),
+                          is_prompt_only=prepared.request.is_prompt_only)
+
+    def echo_text(self, prepared: Prepared) -> str:
+        """The prompt as text, for completions' `echo` ("" otherwise)."""
+        request = prepared.request
+        if prepared.is_chat or not getattr(request, "echo", False):
+            return ""
+        return request.prompt_text or self.tokenizer.decode(prepared.prompt_token_ids)
+
+    def logprobs_body(self, prepared: Prepared, formatter: LogprobsFormatter,
+                      logprobs: list[TokenLogprob], prompt_logprobs: list[TokenLogprob] | None,
+                      echo_len: int = 0) -> dict | None:
+        """The choice's `logprobs` for these entries (None when not asked); with
+        `prompt_logprobs` (a completion's echo, first chunk) the prompt's come first and
+        the generated tokens' offsets start after the `echo_len` characters of its text."""
+        if prepared.request.num_logprobs is None:
+            return None
+        if prepared.is_chat:
+            return formatter.chat(logprobs)
+        if prompt_logprobs is None:
+            return formatter.completion(list(logprobs))
+        prompt_ids = prepared.prompt_token_ids
+        body = formatter.completion([None, *prompt_logprobs], prompt_ids[:1])
+        formatter.text_offset = echo_len
+        rest = formatter.completion(list(logprobs))
+        return {key: body[key] + rest[key] for key in body}
 
     def response(self, prepared: Prepared, request_id: str, stream: TextStream,
                  finish_reason: FinishReason | None) -> dict:
         """The non-streaming OpenAI body of a finished request."""
         reason = openai_finish_reason(stream, finish_reason)
         return_ids = bool(prepared.request.return_token_ids)
+        echo = self.echo_text(prepared)
         args = dict(head=p.Head(request_id, self.config.worker.model_name, int(time.time())),
-                    text=stream.text, finish_reason=reason,
+                    text=echo + stream.text, finish_reason=reason,
                     prompt_len=len(prepared.prompt_token_ids),
                     completion_len=len(stream.token_ids),
                     token_ids=stream.token_ids if return_ids else None,
                     prompt_token_ids=prepared.prompt_token_ids if return_ids else None)
-        if prepared.is_chat:
-            return p.chat_completion_response(**args)
-        return p.completion_response(**args)
+        body = (p.chat_completion_response(**args) if prepared.is_chat
+                else p.completion_response(**args))
+        body["choices"][0]["logprobs"] = self.logprobs_body(
+            prepared, LogprobsFormatter(self.token_text), stream.logprobs,
+            stream.prompt_logprobs if echo else None, len(echo))
+        return body
 
 
 def openai_finish_reason(stream: TextStream, finish_reason: FinishReason | None

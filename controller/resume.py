@@ -126,7 +126,9 @@ class Resume:
         num_to_skip = self.num_to_skip.pop(request_id, 0)
         if num_to_skip:  # recomputed tokens the consumer had before the restart
             num_skipped = min(num_to_skip, len(out.new_token_ids))
-            out = dataclasses.replace(out, new_token_ids=out.new_token_ids[num_skipped:])
+            out = dataclasses.replace(
+                out, new_token_ids=out.new_token_ids[num_skipped:],
+                logprobs=out.logprobs[num_skipped:] if out.logprobs is not None else None)
             if num_to_skip > num_skipped and not out.finished:
                 self.num_to_skip[request_id] = num_to_skip - num_skipped
         return out

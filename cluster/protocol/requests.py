@@ -26,6 +26,7 @@ from cluster.protocol.fields import (
     Unsupported,
     check_non_negative_ids,
 )
+from cluster.protocol.logprobs import MAX_COMPLETION_LOGPROBS, MAX_TOP_LOGPROBS
 from cluster.protocol.messages import ChatMessage
 
 # OpenAI caps `stop` at 4 sequences; matching cost grows with their number on every delta.
@@ -140,6 +141,18 @@ class _RequestBase(BaseModel):
         return self.max_tokens
 
     @property
+    def is_prompt_only(self) -> bool:
+        return False
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return None
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        return None
+
+    @property
     def max_tokens_param(self) -> str:
         """The field the client used for the output limit, for error messages."""
         return "max_tokens"
@@ -159,8 +172,11 @@ class CompletionRequest(_RequestBase):
     list of token ids: one-element batches (`["text"]`, `[[1, 2]]`) are unwrapped."""
 
     prompt: Annotated[str | list[StrictInt], _schema(minLength=1, minItems=1)]
-    echo: Annotated[StrictBool | None, Unsupported] = False
-    logprobs: Annotated[StrictInt | None, Unsupported] = None
+    # 0 only with `echo` (score the prompt, generate nothing: log-likelihood evaluation).
+    max_tokens: Annotated[StrictInt | None, _schema(minimum=0)] = None
+    echo: StrictBool | None = False
+    logprobs: Annotated[StrictInt | None, _schema(minimum=0,
+                                                  maximum=MAX_COMPLETION_LOGPROBS)] = None
     suffix: Annotated[StrictStr | None, Unsupported] = None
     best_of: Annotated[StrictInt | None, ExactlyOne] = None
 
@@ -185,6 +201,34 @@ class CompletionRequest(_RequestBase):
             raise _invalid("must be a string or a list of token ids (integers)")
         return check_non_negative_ids(value)
 
+    @field_validator("logprobs")
+    @classmethod
+    def _check_logprobs(cls, value: int | None) -> int | None:
+        if value is not None and not 0 <= value <= MAX_COMPLETION_LOGPROBS:
+            raise _invalid(f"must be between 0 and {MAX_COMPLETION_LOGPROBS}, got {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _check_max_tokens(self) -> CompletionRequest:
+        if self.max_tokens is not None and self.max_tokens < (0 if self.echo else 1):
+            raise _invalid(f"must be at least {0 if self.echo else 1} (0 only with 'echo'), "
+                           f"got {self.max_tokens}", field="max_tokens")
+        return self
+
+    @property
+    def is_prompt_only(self) -> bool:
+        """`echo` with `max_tokens=0`: the engine runs the prompt and samples one token that
+        the edge drops (its prefill is what scores the prompt)."""
+        return bool(self.echo) and self.max_tokens == 0
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
+
     @property
     def prompt_token_ids(self) -> list[int] | None:
         """The prompt when the client sent token ids, else None (text needs tokenizing)."""
@@ -201,8 +245,8 @@ class ChatCompletionRequest(_RequestBase):
 
     messages: Annotated[list[ChatMessage], _schema(minItems=1)]
     max_completion_tokens: Annotated[OutputTokenLimit, _schema(minimum=1)] = None
-    logprobs: Annotated[StrictBool | None, Unsupported] = False
-    top_logprobs: Annotated[StrictInt | None, Unsupported] = None
+    logprobs: StrictBool | None = False
+    top_logprobs: Annotated[StrictInt | None, _schema(minimum=0, maximum=MAX_TOP_LOGPROBS)] = None
     tools: Annotated[list[Any] | None, Unsupported] = None
     functions: Annotated[list[Any] | None, Unsupported] = None
     tool_choice: Annotated[Any, NoToolChoice] = None
@@ -215,6 +259,23 @@ class ChatCompletionRequest(_RequestBase):
         if isinstance(value, list) and not value:
             raise _invalid("must contain at least one message")
         return value
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _check_top_logprobs(cls, value: int | None) -> int | None:
+        if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+            raise _invalid(f"must be between 0 and {MAX_TOP_LOGPROBS}, got {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _check_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise _invalid("requires 'logprobs' to be true", field="top_logprobs")
+        return self
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -207,6 +207,8 @@ def to_sampling_params(req: _RequestBase, default_max_tokens: int) -> SamplingPa
     max_tokens = req.requested_max_tokens
     if max_tokens is None:
         max_tokens = default_max_tokens
+    if req.is_prompt_only:
+        max_tokens = 1  # the one sampled token is dropped at the edge
     if max_tokens < 1:
         param = req.max_tokens_param
         raise ProtocolError(400, f"'{param}' must be at least 1, got {max_tokens}", param=param)
@@ -221,4 +223,6 @@ def to_sampling_params(req: _RequestBase, default_max_tokens: int) -> SamplingPa
         ignore_eos=bool(req.ignore_eos),
         stop_token_ids=tuple(req.stop_token_ids),
         stop=tuple(req.stop),
+        logprobs=req.num_logprobs,
+        prompt_logprobs=req.num_prompt_logprobs,
     )

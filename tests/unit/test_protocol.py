@@ -182,8 +182,10 @@ BASE_CH: dict[str, Any] = {"model": "m", "messages": CHAT_MSGS}
         ("stop_token_ids", ["x"]),
         ("n", 2),
         ("n", 0),
-        ("logprobs", 1),
-        ("echo", True),
+        ("logprobs", 6),
+        ("logprobs", -1),
+        ("echo", "yes"),
+        ("max_tokens", 0),  # 0 only with echo
         ("priority", "high"),
         ("stream", "yes"),
         ("ignore_eos", 1),
@@ -204,8 +206,9 @@ def test_completion_field_rejected(field: str, value: Any) -> None:
         ("top_p", -1.0),
         ("top_k", -5),
         ("n", 3),
-        ("logprobs", True),
-        ("top_logprobs", 2),
+        ("logprobs", "yes"),
+        ("top_logprobs", 2),  # without logprobs
+        ("top_logprobs", -1),
         ("stop", ["1", "2", "3", "4", "5"]),
     ],
 )
