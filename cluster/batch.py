@@ -68,7 +68,7 @@ def run_local(lines: Iterable[str], out: TextIO, config: TokenflowConfig,
             job = jobs.get(output.request_id)
             if job is None:
                 continue
-            _, reason = job.stream.advance(output.new_token_ids, output.finish_reason,
+            _, reason = job.stream.advance(job.stream.take_scores(output), output.finish_reason,
                                            partial(engine.abort, output.request_id,
                                                    FinishReason.STOP))
             if reason is None:

@@ -21,6 +21,7 @@ from cluster.config import TokenflowConfig
 from cluster.protocol.logprobs import LogprobsFormatter
 from controller.logprobs import TokenLogprob
 from controller.messages import Delta, FinishReason, SamplingParams
+from controller.request import RequestOutput
 from workers.tokenizer import IncrementalDetokenizer, Tokenizer
 
 COMPLETIONS = "/v1/completions"
@@ -59,14 +60,14 @@ class TextStream:
         self.logprobs: list[TokenLogprob] = []  # one per generated token, when asked
         self.prompt_logprobs: list[TokenLogprob] = []  # prompt positions 1.. (echo)
 
-    def take_scores(self, delta: Delta) -> list[int]:
+    def take_scores(self, delta: Delta | RequestOutput) -> list[int]:
         """Keep the delta's log-probabilities; -> the ids to decode (none when only the
         prompt was asked for)."""
         self.prompt_logprobs.extend(delta.prompt_logprobs or ())
         if self.is_prompt_only:
             return []
         self.logprobs.extend(delta.logprobs or ())
-        return delta.token_ids
+        return delta.token_ids if isinstance(delta, Delta) else delta.new_token_ids
 
     def push(self, new_token_ids: list[int]) -> str:
         if self.stopped:

@@ -51,6 +51,9 @@ class SamplingParams:
     # plus the k most likely; `prompt_logprobs` the same for every prompt token (echo).
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # Choice i > 0 of an n > 1 request: the id of choice 0, whose prompt blocks it shares
+    # (controller/choices.py). A scheduling hint: the worker ignores it.
+    prompt_shared_with: str | None = None
 
     @property
     def is_greedy(self) -> bool:

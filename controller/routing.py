@@ -20,6 +20,7 @@ class Routing:
 
     workers: list[WorkerState]
     max_queue_len: int
+    request_to_worker: dict[str, int]
     _next_tie: int
 
     @property
@@ -37,6 +38,9 @@ class Routing:
             raise QueueFullError("all request queues are full")
         if len(candidates) == 1:  # nothing to weigh (scoring walks every queued request)
             return candidates[0]
+        shared = self.request_to_worker.get(request.sampling_params.prompt_shared_with or "")
+        if shared in candidates:  # a choice goes where its prompt's blocks are
+            return shared
 
         def score(w: int) -> tuple[int, float, int]:
             sched = self.workers[w].scheduler

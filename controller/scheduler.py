@@ -28,6 +28,7 @@ import math
 from collections.abc import Callable, Iterator
 
 from controller.budget import StepCost
+from controller.choices import waits_for_shared_prompt
 from controller.logprobs import needs_prompt_recompute
 from controller.messages import CachedRequestData, CacheEvict, NewRequestData, StepPlan
 from controller.request import Request, RequestOutput, RequestStatus
@@ -279,7 +280,8 @@ class Scheduler(SchedulerResults):
                     if is_long and num_long >= self.config.max_long_partial_prefills:
                         continue  # passed over: the short prompts behind it still go
                     if (is_long in blocked or not may_admit()
-                            or not self._may_admit(request, waiting_tenants)):
+                            or not self._may_admit(request, waiting_tenants)
+                            or waits_for_shared_prompt(request, self.requests)):
                         continue
                     num_new = self._admit(request, limit, chunk_cap, reserved, floor)
                     if num_new == 0:
