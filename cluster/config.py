@@ -251,6 +251,9 @@ class EdgeConfig(BaseModel):
     reconnect_timeout_s: float = Field(120.0, ge=0, description=(
         "How long the edge keeps trying to reach a restarted controller before every open "
         "request fails."))
+    max_choices: int = Field(8, ge=1, le=128, description=(
+        "Most sequences one request may generate (`n`, and completions' `best_of`); more "
+        "get 400. Each choice is an engine request of its own sharing the prompt's blocks."))
 
     @model_validator(mode="after")
     def _check(self) -> EdgeConfig:

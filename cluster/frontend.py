@@ -8,6 +8,7 @@ stop string ends a request); the finished text becomes an OpenAI response body.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from collections.abc import Callable
@@ -160,6 +161,10 @@ class Frontend:
         worker = self.config.worker
         room = p.check_limits(request, prompt_ids, worker.max_model_len, self.vocab_size)
         params = p.to_sampling_params(request, min(room, worker.default_max_tokens))
+        check_choices(request, self.config.edge.max_choices)
+        if request.num_choices > (request.n or 1) and params.logprobs is None:
+            # best_of ranks by cumulative log-probability: the chosen tokens' are needed.
+            params = dataclasses.replace(params, logprobs=0)
         return Prepared(url, request, prompt_ids, params, request.priority or 0)
 
     def _encode(self, text: str, param: str, add_special_tokens: bool) -> list[int]:
@@ -231,6 +236,15 @@ class Frontend:
             prepared, LogprobsFormatter(self.token_text), stream.logprobs,
             stream.prompt_logprobs if echo else None, len(echo))
         return body
+
+
+def check_choices(request: p.CompletionRequest | p.ChatCompletionRequest,
+                  max_choices: int) -> None:
+    if request.num_choices > max_choices:
+        param = "best_of" if getattr(request, "best_of", None) == request.num_choices else "n"
+        raise p.ProtocolError(400, f"'{param}' is too large: {request.num_choices}, this "
+                              f"server generates at most {max_choices} choices per request "
+                              f"(edge.max_choices)", param=param)
 
 
 def openai_finish_reason(stream: TextStream, finish_reason: FinishReason | None

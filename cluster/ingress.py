@@ -42,6 +42,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cluster import protocol as p
 from cluster.answers import collect, failed_message, sse_events
 from cluster.auth import Authenticator
+from cluster.choices import Choice, choices_body, collect_choices, sse_choices, submit_choices
 from cluster.config import TokenflowConfig, api_keys_from_env
 from cluster.controller_client import ControllerClient, RayControllerClient
 from cluster.frontend import (
@@ -171,9 +172,13 @@ class OpenAIServer:
             if err.code == "prompt_too_long":  # the circuit breaker: counted centrally
                 self.client.record_rejection(CIRCUIT_BREAKER)
             return self.error(err, request_id)
+        choices: list[Choice] = []
         try:
-            _, deltas = await self.client.submit(prepared.prompt_token_ids, prepared.params,
-                                                 request_id, prepared.priority, caller.tenant)
+            if prepared.request.num_choices > 1:
+                choices = await submit_choices(self.client, prepared, request_id, caller.tenant)
+            else:
+                _, deltas = await self.client.submit(prepared.prompt_token_ids, prepared.params,
+                                                     request_id, prepared.priority, caller.tenant)
         except QueueFullError as err:
             return self.error(p.ProtocolError(429, str(err), code="queue_full"), request_id)
         except NoWorkerUpError as err:  # every worker is restarting: come back shortly
@@ -182,12 +187,30 @@ class OpenAIServer:
             return self.error(p.ProtocolError(400, str(err)), request_id)
         except Exception as err:
             return self.unavailable(err, request_id)
+        if choices:
+            return await self._respond_choices(frontend, prepared, request_id, choices)
         headers = {"X-Request-Id": request_id}
         if prepared.request.stream:
             events = sse_events(frontend, prepared, request_id, deltas, self.client.abort)
             return StreamingResponse(events, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", **headers})
         return await self._complete(frontend, prepared, request_id, deltas)
+
+    async def _respond_choices(self, frontend: Frontend, prepared: Prepared, request_id: str,
+                               choices: list[Choice]) -> Response:
+        """`n` (or best_of) choices, each its own engine request (cluster/choices.py)."""
+        headers = {"X-Request-Id": request_id}
+        if prepared.request.stream:
+            events = sse_choices(frontend, prepared, request_id, choices, self.client.abort)
+            return StreamingResponse(events, media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", **headers})
+        results, error = await collect_choices(frontend, prepared, choices, self.client.abort)
+        if error is not None:
+            logger.warning("request %s failed: %s", request_id, error)
+            return self.error(p.ProtocolError(503, failed_message(error, request_id),
+                                              code="request_failed"), request_id)
+        return JSONResponse(choices_body(frontend, prepared, request_id, results),
+                            headers=headers)
 
     async def _complete(self, frontend: Frontend, prepared: Prepared, request_id: str,
                         deltas: AsyncIterator[Delta]) -> Response:

@@ -13,7 +13,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from cluster.protocol.errors import _invalid
 from cluster.protocol.fields import (
-    ExactlyOne,
     NoToolChoice,
     NullAsZero,
     OutputTokenLimit,
@@ -70,7 +69,7 @@ class _RequestBase(BaseModel):
         default_factory=list)
     stop_token_ids: TokenIdList = Field(default_factory=list)
     ignore_eos: StrictBool | None = False
-    n: Annotated[StrictInt | None, _schema(const=1)] = 1
+    n: Annotated[StrictInt | None, _schema(minimum=1)] = 1
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     return_token_ids: StrictBool | None = False
@@ -126,9 +125,9 @@ class _RequestBase(BaseModel):
     @field_validator("n")
     @classmethod
     def _check_n(cls, value: int | None) -> int | None:
-        if value not in (None, 1):
-            raise _invalid(f"must be 1: only one choice per request is supported, got {value}")
-        return value
+        if value is not None and value < 1:
+            raise _invalid(f"must be at least 1, got {value}")
+        return value  # the configured maximum is checked with the model (Frontend.prepare)
 
     @model_validator(mode="after")
     def _check_stream_options(self) -> _RequestBase:
@@ -143,6 +142,11 @@ class _RequestBase(BaseModel):
     @property
     def is_prompt_only(self) -> bool:
         return False
+
+    @property
+    def num_choices(self) -> int:
+        """Sequences generated: `n` (completions: `best_of` when larger)."""
+        return self.n or 1
 
     @property
     def num_logprobs(self) -> int | None:
@@ -178,7 +182,7 @@ class CompletionRequest(_RequestBase):
     logprobs: Annotated[StrictInt | None, _schema(minimum=0,
                                                   maximum=MAX_COMPLETION_LOGPROBS)] = None
     suffix: Annotated[StrictStr | None, Unsupported] = None
-    best_of: Annotated[StrictInt | None, ExactlyOne] = None
+    best_of: Annotated[StrictInt | None, _schema(minimum=1)] = None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -207,6 +211,22 @@ class CompletionRequest(_RequestBase):
         if value is not None and not 0 <= value <= MAX_COMPLETION_LOGPROBS:
             raise _invalid(f"must be between 0 and {MAX_COMPLETION_LOGPROBS}, got {value}")
         return value
+
+    @model_validator(mode="after")
+    def _check_best_of(self) -> CompletionRequest:
+        if self.best_of is None:
+            return self
+        if self.best_of < (self.n or 1):
+            raise _invalid(f"must be at least 'n' ({self.n}), got {self.best_of}",
+                           field="best_of")
+        if self.stream and self.best_of > 1:
+            raise _invalid("cannot be streamed: the best choices are known only at the end",
+                           field="best_of")
+        return self
+
+    @property
+    def num_choices(self) -> int:
+        return max(self.best_of or 1, self.n or 1)
 
     @model_validator(mode="after")
     def _check_max_tokens(self) -> CompletionRequest:
