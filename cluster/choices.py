@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from cluster import protocol as p
+from cluster.answers import advance, collect, failed_message
 from cluster.controller_client import ControllerClient
 from cluster.frontend import Frontend, Prepared, TextStream, openai_finish_reason
 from cluster.protocol.logprobs import LogprobsFormatter
@@ -53,9 +54,8 @@ def cumulative_logprob(text: TextStream) -> float:
 async def collect_choices(frontend: Frontend, prepared: Prepared, choices: list[Choice],
                           abort: Callable[[str], None]
                           ) -> tuple[list[tuple[TextStream, FinishReason | None]], str | None]:
-    """Run every choice to its end: ([(text, finish reason)] in choice order, first error)."""
-    from cluster.answers import collect  # the one-choice runner, reused per choice
-
+    """Run every choice to its end with `collect` (the one-request runner):
+    ([(text, finish reason)] in choice order, the first error)."""
     results = await asyncio.gather(*(collect(frontend, prepared, rid, deltas, abort)
                                      for rid, deltas in choices))
     error = next((err for _, _, err in results if err is not None), None)
@@ -83,9 +83,8 @@ async def sse_choices(frontend: Frontend, prepared: Prepared, request_id: str,
                       choices: list[Choice], abort: Callable[[str], None]
                       ) -> AsyncIterator[bytes]:
     """The SSE stream of `n` choices (not best_of: refused with stream): each chunk is one
-    choice's delta under its `index`, in the order the deltas arrive."""
-    from cluster.answers import advance, failed_message
-
+    choice's delta under its `index`, in the order the deltas arrive, each advanced as
+    one request's are (cluster/answers.py)."""
     req = prepared.request
     head = p.Head(request_id, frontend.config.worker.model_name, int(time.time()))
     chat = prepared.is_chat

@@ -180,7 +180,7 @@ BASE_CH: dict[str, Any] = {"model": "m", "messages": CHAT_MSGS}
         ("stop", [""]),
         ("stop_token_ids", [-1]),
         ("stop_token_ids", ["x"]),
-        ("n", 2),
+        ("best_of", 0),  # under n
         ("n", 0),
         ("logprobs", 6),
         ("logprobs", -1),
@@ -205,7 +205,7 @@ def test_completion_field_rejected(field: str, value: Any) -> None:
         ("temperature", 3),
         ("top_p", -1.0),
         ("top_k", -5),
-        ("n", 3),
+        ("n", -1),
         ("logprobs", "yes"),
         ("top_logprobs", 2),  # without logprobs
         ("top_logprobs", -1),
