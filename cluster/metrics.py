@@ -115,10 +115,16 @@ def metric_families(snap: MetricsSnapshot, config: MetricsConfig,
     for reason in sorted({"stop", "length", "abort", "error",
                           *req.finished_reason_to_count}):
         success.add_metric([reason], req.finished_reason_to_count.get(reason, 0))
-    f.counter("prompt_tokens", "Prompt tokens of requests that produced a first token."
+    f.counter("prompt_tokens", "Prompt tokens of requests that produced a first token (once "
+              "for the n choices of one request)."
               ).add_metric([], req.num_prompt_tokens)
     f.counter("generation_tokens", "Generated tokens delivered.").add_metric(
         [], req.num_generation_tokens)
+    features = f.counter("request_features", "Admitted requests by what they asked for: "
+                         "logprobs, prompt_logprobs (echo), extra_choice (each choice past "
+                         "the first of n or best_of).", ["feature"])
+    for feature, count in sorted(req.feature_to_count.items()):
+        features.add_metric([feature], count)
     f.counter("circuit_breaker_rejections", "Requests refused with 422: prompt over the "
               "prefill cap.").add_metric([], req.rejection_to_count.get(CIRCUIT_BREAKER, 0))
     f.counter("queue_full_rejections", "Requests refused with 429: every waiting queue "

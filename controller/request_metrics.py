@@ -8,7 +8,7 @@ Ray-free and free of prometheus-client; the edge renders `RequestMetricsSnapshot
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from controller.histogram import LATENCY_BUCKETS_S, Histogram, HistogramSnapshot
 from controller.messages import RequestOutput
@@ -19,6 +19,9 @@ from controller.worker_stats import WorkerStats
 CIRCUIT_BREAKER = "circuit_breaker"  # 422: prompt over the prefill cap (counted at the edge)
 QUEUE_FULL = "queue_full"  # 429: every waiting queue is full
 REJECTION_KINDS = (CIRCUIT_BREAKER, QUEUE_FULL)
+# What admitted requests asked for beyond plain sampling: log-probabilities of their
+# tokens, of their prompt (echo), and choices past the first of an n > 1 request.
+FEATURES = ("logprobs", "prompt_logprobs", "extra_choice")
 
 
 @dataclass
@@ -38,6 +41,7 @@ class RequestMetricsSnapshot:
     num_prompt_tokens: int
     num_generation_tokens: int
     rejection_to_count: dict[str, int]
+    feature_to_count: dict[str, int] = field(default_factory=dict)
 
 
 class RequestMetrics:
@@ -50,6 +54,7 @@ class RequestMetrics:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.rejection_to_count = dict.fromkeys(REJECTION_KINDS, 0)
+        self.feature_to_count = dict.fromkeys(FEATURES, 0)
         # Unfinished admitted requests only: an entry leaves with the request's last delta.
         self._timings: dict[str, _Timing] = {}
 
@@ -59,6 +64,11 @@ class RequestMetrics:
 
     def on_admit(self, request: Request) -> None:
         self._timings[request.request_id] = _Timing(request)
+        params = request.sampling_params
+        for feature, used in (("logprobs", params.logprobs is not None),
+                              ("prompt_logprobs", params.prompt_logprobs is not None),
+                              ("extra_choice", params.prompt_shared_with is not None)):
+            self.feature_to_count[feature] += used
 
     def on_reject(self, kind: str) -> None:
         if kind not in self.rejection_to_count:
@@ -76,7 +86,8 @@ class RequestMetrics:
             if timing.first_token_s is None:
                 timing.first_token_s = now
                 self.ttft_s.observe(now - request.arrival_time)
-                self.num_prompt_tokens += out.num_prompt_tokens
+                if request.sampling_params.prompt_shared_with is None:  # once per prompt
+                    self.num_prompt_tokens += out.num_prompt_tokens
                 num_intervals = num_new - 1  # further tokens of the same delta
             else:
                 num_intervals = num_new
@@ -101,7 +112,8 @@ class RequestMetrics:
         return RequestMetricsSnapshot(
             self.ttft_s.snapshot(), self.itl_s.snapshot(), self.e2e_s.snapshot(),
             self.queue_time_s.snapshot(), dict(self.finished_reason_to_count),
-            self.num_prompt_tokens, self.num_generation_tokens, dict(self.rejection_to_count))
+            self.num_prompt_tokens, self.num_generation_tokens, dict(self.rejection_to_count),
+            dict(self.feature_to_count))
 
 
 @dataclass(frozen=True)

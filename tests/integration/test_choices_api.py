@@ -23,6 +23,14 @@ def client(cluster: Cluster) -> OpenAI:
     return OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
+def metric(cluster: Cluster, line_start: str) -> float:
+    import httpx
+
+    text = httpx.get(f"{cluster.url}/metrics", timeout=30).text
+    return float(next(line for line in text.splitlines()
+                      if line.startswith(line_start)).split()[-1])
+
+
 def num_prefill_tokens(cluster: Cluster) -> int:
     import ray
 
@@ -42,7 +50,12 @@ def test_n_seeded_choices_repeat_and_share_the_prompt(client: OpenAI,
     kwargs: dict[str, Any] = dict(model=MODEL, prompt=prompt, n=4, seed=7, temperature=1.0,
                                   max_tokens=8, extra_body=EXTRA)
     before = num_prefill_tokens(cluster)
+    extra_before = metric(cluster, 'tokenflow_request_features_total{feature="extra_choice"}')
+    prompt_before = metric(cluster, "tokenflow_prompt_tokens_total")
     first = client.completions.create(**kwargs)
+    assert metric(cluster, 'tokenflow_request_features_total{feature="extra_choice"}') \
+        == extra_before + 3
+    assert metric(cluster, "tokenflow_prompt_tokens_total") == prompt_before + len(prompt)
     # Choice 0 computes the prompt; choices 1-3 take its full blocks from the cache and
     # compute only the tokens of its last, partial block.
     assert num_prefill_tokens(cluster) - before == len(prompt) + 3 * (len(prompt) % block)
