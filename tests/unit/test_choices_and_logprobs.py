@@ -79,3 +79,19 @@ def test_a_refused_choice_aborts_the_admitted_ones() -> None:
         "model": "builtin:tiny", "prompt": "hi", "max_tokens": 3, "n": 3})
     assert resp.status_code == 429
     assert fake.aborted == fake.started and len(fake.started) == 1
+
+
+def test_batch_lines_refuse_several_choices() -> None:
+    import json
+
+    from cluster.batch_io import prepare_line
+    from cluster.config import TokenflowConfig
+    from cluster.frontend import Frontend
+    from workers.presets import resolve_model
+    from workers.tokenizer import Tokenizer
+
+    frontend = Frontend(Tokenizer(resolve_model("builtin:tiny")), TokenflowConfig(), 512)
+    line = json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions",
+                       "body": {"model": "builtin:tiny", "prompt": "hi", "n": 2}})
+    custom_id, result = prepare_line(line, frontend)
+    assert custom_id == "a" and getattr(result, "param", None) == "n"
