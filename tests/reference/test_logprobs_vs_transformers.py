@@ -58,16 +58,18 @@ def run(engine: LocalEngine, prompt: list[int], params: SamplingParams):
     return tokens, logprobs, prompt_logprobs
 
 
-def engine_for(model_path: Path, budget: int, prefix_caching: bool = True) -> LocalEngine:
+def engine_for(model_path: Path, budget: int, async_scheduling: bool = False) -> LocalEngine:
     return LocalEngine(worker={"model": str(model_path)},
-                       cache={"block_size": 8, "num_kv_blocks": 256,
-                              "enable_prefix_caching": prefix_caching},
-                       scheduler={"max_num_batched_tokens": budget})
+                       cache={"block_size": 8, "num_kv_blocks": 256},
+                       scheduler={"max_num_batched_tokens": budget,
+                                  "async_scheduling": async_scheduling})
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_sampled_and_top_logprobs_match_transformers(model_path, hf_model, temperature):
-    engine = engine_for(model_path, budget=256)
+@pytest.mark.parametrize(("temperature", "async_scheduling"),
+                         [(0.0, False), (0.8, False), (0.8, True)])
+def test_sampled_and_top_logprobs_match_transformers(model_path, hf_model, temperature,
+                                                     async_scheduling):
+    engine = engine_for(model_path, budget=256, async_scheduling=async_scheduling)
     rng = random.Random(3)
     prompt = [rng.randrange(3, 200) for _ in range(20)]
     params = SamplingParams(max_tokens=12, temperature=temperature, seed=11, ignore_eos=True,
@@ -82,11 +84,12 @@ def test_sampled_and_top_logprobs_match_transformers(model_path, hf_model, tempe
     engine.check_integrity()
 
 
-@pytest.mark.parametrize("budget", [16, 256])
-def test_echo_prompt_logprobs_chunked_and_prefix_cached(model_path, hf_model, budget):
+@pytest.mark.parametrize(("budget", "async_scheduling"), [(16, False), (256, False), (16, True)])
+def test_echo_prompt_logprobs_chunked_and_prefix_cached(model_path, hf_model, budget,
+                                                        async_scheduling):
     """budget 16 cuts the 45-token prompt into chunks; the second run of the same prompt
     would be a prefix-cache hit and must still score every prompt token."""
-    engine = engine_for(model_path, budget=budget)
+    engine = engine_for(model_path, budget=budget, async_scheduling=async_scheduling)
     rng = random.Random(5)
     prompt = [rng.randrange(3, 200) for _ in range(45)]
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=2,
