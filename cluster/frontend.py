@@ -63,8 +63,10 @@ class TextStream:
 
     def take_scores(self, delta: Delta | RequestOutput) -> list[int]:
         """Keep the delta's log-probabilities; -> the ids to decode (none when only the
-        prompt was asked for)."""
-        self.prompt_logprobs.extend(delta.prompt_logprobs or ())
+        prompt was asked for). The prompt's come whole with the first token; a controller
+        resumed after a crash sends them again, and they are taken once."""
+        if not self.prompt_logprobs:
+            self.prompt_logprobs.extend(delta.prompt_logprobs or ())
         if self.is_prompt_only:
             return []
         self.logprobs.extend(delta.logprobs or ())

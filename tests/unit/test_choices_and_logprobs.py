@@ -95,3 +95,17 @@ def test_batch_lines_refuse_several_choices() -> None:
                        "body": {"model": "builtin:tiny", "prompt": "hi", "n": 2}})
     custom_id, result = prepare_line(line, frontend)
     assert custom_id == "a" and getattr(result, "param", None) == "n"
+
+
+def test_prompt_logprobs_sent_again_after_a_resume_are_taken_once() -> None:
+    from cluster.frontend import TextStream
+    from workers.presets import resolve_model
+    from workers.tokenizer import Tokenizer
+
+    text = TextStream(Tokenizer(resolve_model("builtin:tiny")), ())
+    first = [entry(4), entry(5)]
+    assert text.take_scores(Delta("r", 0, [7], logprobs=[entry(7)],
+                                  prompt_logprobs=first)) == [7]
+    text.take_scores(Delta("r", 0, [8], logprobs=[entry(8)], prompt_logprobs=list(first)))
+    assert text.prompt_logprobs == first
+    assert [e.token_id for e in text.logprobs] == [7, 8]
