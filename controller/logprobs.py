@@ -7,20 +7,16 @@ log-probability, and the `num_top` most likely tokens with theirs.
 
 Prompt log-probabilities (completions' `echo`) are computed in the prefill chunks the
 scheduler runs anyway; a request that asks for them is not served from the prefix cache
-until it has them all (`needs_prompt_recompute`): they are recomputed, not stored.
+until it has them all (`Request.needs_prompt_recompute`): they are recomputed, not stored.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from controller.messages import TokenLogprob
 
-if TYPE_CHECKING:
-    from controller.request import Request
-
-__all__ = ["PromptLogprobs", "TokenLogprob", "needs_prompt_recompute"]
+__all__ = ["PromptLogprobs", "TokenLogprob"]
 
 
 @dataclass(slots=True)
@@ -47,11 +43,3 @@ class PromptLogprobs:
         taken, self.pending = self.pending, []
         return taken
 
-
-def needs_prompt_recompute(request: Request) -> bool:
-    """The request wants prompt log-probabilities it has not all received: its prompt is
-    computed from the start, whatever the prefix cache holds."""
-    if request.sampling_params.prompt_logprobs is None:
-        return False
-    got = request.prompt_logprobs.num_received if request.prompt_logprobs else 0
-    return got < request.num_prompt_tokens - 1

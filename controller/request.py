@@ -118,6 +118,15 @@ class Request:
     def sort_key(self) -> tuple[int, int]:
         return (self.priority, self.arrival_seq)
 
+    @property
+    def needs_prompt_recompute(self) -> bool:
+        """The request wants prompt log-probabilities it has not all received: its prompt is
+        computed from the start, whatever the prefix cache holds (controller/logprobs.py)."""
+        if self.sampling_params.prompt_logprobs is None:
+            return False
+        got = self.prompt_logprobs.num_received if self.prompt_logprobs else 0
+        return got < self.num_prompt_tokens - 1
+
     def check_stop(self) -> RequestStatus | None:
         """The finish status implied by the last sampled token, if any."""
         params = self.sampling_params

@@ -29,7 +29,6 @@ from collections.abc import Callable, Iterator
 
 from controller.budget import StepCost
 from controller.choices import waits_for_shared_prompt
-from controller.logprobs import needs_prompt_recompute
 from controller.messages import CachedRequestData, CacheEvict, NewRequestData, StepPlan
 from controller.request import Request, RequestOutput, RequestStatus
 from controller.scheduler_config import SchedulerConfig, SchedulerStats, StepLimits, StepShape
@@ -321,7 +320,7 @@ class Scheduler(SchedulerResults):
     def _admit(self, request: Request, limit: int, chunk_cap: int | None = None,
                reserved: int = 0, floor: int = 0) -> int:
         """Move a waiting request to running with its first chunk; 0 when it cannot."""
-        computed = ([] if needs_prompt_recompute(request)
+        computed = ([] if request.needs_prompt_recompute
                     else self.kv.get_computed_blocks(request.all_token_ids))
         num_computed = len(computed) * self.block_size
         request.num_computed_tokens = num_computed
