@@ -9,9 +9,9 @@ import pytest
 
 from cluster.protocol.logprobs import LogprobsFormatter
 from controller.choices import choice_params, choice_request_id, choice_seed
-from controller.core import QueueFullError
 from controller.logprobs import PromptLogprobs, TokenLogprob
 from controller.messages import Delta, DeltaBatch, SamplingParams
+from controller.routing import QueueFullError
 from tests.unit.test_ingress import FakeClient, ids, make_client
 
 
