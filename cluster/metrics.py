@@ -135,8 +135,15 @@ def metric_families(snap: MetricsSnapshot, config: MetricsConfig,
             "or the one derived from the budget table).").add_metric(
         [], itl_slo_s)
     _worker_families(f, snap.workers)
+    node = f.gauge("worker_node", "1 for the Ray node each worker runs on (one series per "
+                   "worker: the label set stays bounded).", ["worker", "node"])
+    for index, node_id in enumerate(snap.worker_nodes):
+        node.add_metric([str(index), node_id or "unknown"], 1.0)
     _tenant_families(f, snap.workers, config.max_tenant_labels)
     return f.families
+
+
+_MODE_CHANGES = [(a.name, b.name) for a in Mode for b in Mode if a != b]
 
 
 def _worker_families(f: _Families, workers: list[WorkerStats]) -> None:
@@ -187,8 +194,11 @@ def _worker_families(f: _Families, workers: list[WorkerStats]) -> None:
         computed.add_metric([k, "decode"], s.num_decode_tokens)
         for m in Mode:
             mode.add_metric([k, m.name], float(s.flow_mode == m.name))
-        for (old, new), n in sorted(s.flow_transition_to_count.items()):
-            transitions.add_metric([k, old, new], n)
+        # Every possible change from the first scrape, so that panels over it have a
+        # series (0) before the first mode change.
+        for old, new in _MODE_CHANGES:
+            transitions.add_metric([k, old, new],
+                                   s.flow_transition_to_count.get((old, new), 0))
         chunk_queue.add_metric([k], s.num_prefill_pending)
         pressure.add_metric([k], s.flow_kv_usage)
         bandwidth.add_metric([k], s.bandwidth_avg)

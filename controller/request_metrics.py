@@ -123,3 +123,4 @@ class MetricsSnapshot:
     workers: list[WorkerStats]  # empty while the workers start
     requests: RequestMetricsSnapshot
     itl_slo_s: float | None = None  # what worker 0's scheduler plans for; None: not yet
+    worker_nodes: list[str] = field(default_factory=list)  # Ray node id per worker

@@ -107,3 +107,18 @@ def test_histogram_buckets_are_le_and_bounded() -> None:
     assert snap.count == 7 and len(snap.counts) == 4
     with pytest.raises(ValueError):
         Histogram((1.0, 0.5))
+
+
+def test_every_flow_transition_and_worker_node_has_a_series_from_the_first_scrape() -> None:
+    """A panel over `flow_transitions_total` reads 0, not "No data", before any mode change;
+    each worker names its Ray node once."""
+    h = Harness(num_blocks=100, budget=64)
+    stats = h.core.worker_stats(0)
+    assert stats.flow_transition_to_count == {}
+    snap = MetricsSnapshot([stats], RequestMetrics().snapshot(), worker_nodes=["node-a"])
+    s = _samples(render(snap, MetricsConfig(), 0.1))
+    changes = [(key, value) for key, value in s.items()
+               if key[0] == "tokenflow_flow_transitions_total"]
+    assert len(changes) == len(Mode) * (len(Mode) - 1)
+    assert all(value == 0 for _, value in changes)
+    assert s[("tokenflow_worker_node", (("node", "node-a"), ("worker", "0")))] == 1
