@@ -53,6 +53,7 @@ from controller.startup import (
     WorkerFactory,
     kill_actor,
     kill_for_good,
+    node_of,
     start_worker_actors,
     worker_name,
 )
@@ -140,6 +141,7 @@ class ControllerActor:
                 "eos_token_ids": list(info.eos_token_ids), "model_path": info.model_path,
                 "num_workers": len(self.slots), "devices": [s.info.device for s in self.slots],
                 "torch_threads": [s.info.torch_threads for s in self.slots],
+                "nodes": [node_of(s.info) for s in self.slots],
                 "budget": dict(self.startup.budget_source)}
 
     # -- requests -----------------------------------------------------------------------
@@ -234,6 +236,9 @@ class ControllerActor:
         await self._started()
         journal = self.journal.stats() if self.journal is not None else None
         return {"workers": [slot.stats() for slot in self.slots], "pid": os.getpid(),
+                # Only inside Ray: asking outside it would start a local Ray.
+                "node": ray.get_runtime_context().get_node_id() if ray.is_initialized()
+                else "",
                 "journal": dataclasses.asdict(journal) if journal is not None else None,
                 "num_resumed": self.resumer.num_resumed,
                 "num_resumed_streams": self.resumer.num_resumed_streams,
@@ -246,8 +251,9 @@ class ControllerActor:
         """What `/metrics` renders; answers at once, with no workers while they start."""
         core = self.core
         workers = [core.worker_stats(w) for w in range(core.num_workers)] if core else []
+        nodes = [node_of(s.info) for s in self.slots] if core else []
         return MetricsSnapshot(workers, self.streams.request_metrics.snapshot(),
-                               core.scheduler(0).itl_slo_s if core else None)
+                               core.scheduler(0).itl_slo_s if core else None, nodes)
 
     async def record_rejection(self, kind: str) -> None:
         """The edge refused a request before any other controller call (422): counted
@@ -290,7 +296,8 @@ class ControllerActor:
         core = self.core
         dead = [s.index for s in self.slots if s.task is None or s.task.done()]
         workers = [{"worker": s.index, "up": core.workers[s.index].is_up, "pid": s.info.pid,
-                    "device": s.info.device, "num_failures": s.num_failures,
+                    "device": s.info.device, "node": node_of(s.info),
+                    "num_failures": s.num_failures,
                     "num_running": len(core.scheduler(s.index).running),
                     "num_waiting": core.scheduler(s.index).num_waiting} for s in self.slots]
         num_up = sum(w["up"] for w in workers)
@@ -338,6 +345,8 @@ def get_or_create_controller(options: ControllerOptions) -> ray.actor.ActorHandl
         max_concurrency=options.cluster.controller_max_concurrency)
     if options.cluster.detached_controller:
         actor_options["lifetime"] = "detached"
+    if options.cluster.controller_resource is not None:
+        actor_options["resources"] = {options.cluster.controller_resource: 1}
     return RemoteController.options(**actor_options).remote(options)
 
 

@@ -111,6 +111,13 @@ class ClusterConfig:
         "still serves; a controller restart then fails the open requests)."))
     worker_num_cpus: float = setting(0.5, gt=0, description=(
         "Ray CPUs reserved per CPU worker actor (fractional on small machines)."))
+    worker_resource: str | None = setting(None, description=(
+        "A custom Ray resource that marks where CPU workers may run, e.g. nodes started "
+        "with `ray start --resources='{\"tokenflow_worker\": 2}'`: one worker per unit "
+        "in the cluster at start, each taking one unit, so a node runs as many workers as "
+        "it declares. None: worker.num_workers CPU workers wherever Ray has CPUs (one "
+        "per GPU on GPU nodes either way). Workers are spread over nodes so that losing "
+        "one node costs the fewest."))
     worker_max_restarts: int = setting(-1, ge=-1, description=(
         "Times Ray restarts a dead worker actor (-1: without limit). Its in-flight requests "
         "move to the other workers either way, and it rejoins routing once it is back."))
@@ -134,6 +141,11 @@ class ClusterConfig:
         "recovery.ready_timeout_s."))
     controller_num_cpus: float = setting(0.25, ge=0, description=(
         "Ray CPUs reserved for the controller actor (it mostly waits on workers)."))
+    controller_resource: str | None = setting(None, description=(
+        "A custom Ray resource the controller actor takes one unit of, to pin it to the "
+        "nodes that declare it; when its node dies, Ray restarts it on another such node "
+        "and it resumes from the journal (cluster.redis_url). None: any node with "
+        "controller_num_cpus free."))
     controller_max_restarts: int = setting(-1, ge=-1, description=(
         "Times Ray restarts a dead controller actor (-1: without limit). The workers "
         "outlive it (named, detached actors) and the restarted controller reattaches."))

@@ -30,16 +30,41 @@ def start_worker_actors(opts: ControllerOptions) -> list[Any]:
     worker_cls = ray.remote(actor_cls)
     wcfg, cache = opts.worker, opts.cache
     use_gpu = wcfg.device != "cpu" and ray.cluster_resources().get("GPU", 0) >= 1
-    num_workers = int(ray.cluster_resources()["GPU"]) if use_gpu else wcfg.num_workers
-    resources = {"num_gpus": 1 if use_gpu else 0, "num_cpus": opts.cluster.worker_num_cpus}
+    num_workers, resources = worker_pool_shape(opts, ray.cluster_resources(), use_gpu)
     # Named and detached: a worker outlives the controller, and a restarted controller gets
     # the running one back (get_if_exists) instead of loading the model again.
     return [worker_cls.options(name=worker_name(i), namespace=opts.cluster.namespace,
                                get_if_exists=True, lifetime="detached",
                                max_restarts=opts.cluster.worker_max_restarts,
-                               max_concurrency=actor_cls.MAX_CONCURRENCY, **resources).remote(
+                               max_concurrency=actor_cls.MAX_CONCURRENCY,
+                               # Spread: a lost node takes the fewest workers with it.
+                               scheduling_strategy="SPREAD", **resources).remote(
         dataclasses.replace(wcfg, device="cuda" if use_gpu else "cpu"), cache)
         for i in range(num_workers)]
+
+
+def worker_pool_shape(opts: ControllerOptions, cluster_resources: dict[str, float],
+                      use_gpu: bool) -> tuple[int, dict[str, Any]]:
+    """How many worker actors to start and the Ray resources each one takes: one per GPU,
+    else one per unit of `cluster.worker_resource` when set, else `worker.num_workers`."""
+    resources: dict[str, Any] = {"num_gpus": 1 if use_gpu else 0,
+                                 "num_cpus": opts.cluster.worker_num_cpus}
+    if use_gpu:
+        return int(cluster_resources["GPU"]), resources
+    name = opts.cluster.worker_resource
+    if name is None:
+        return opts.worker.num_workers, resources
+    num_units = int(cluster_resources.get(name, 0))
+    if num_units < 1:
+        raise RuntimeError(f"cluster.worker_resource is {name!r} but no node of the Ray "
+                           f"cluster declares it (its resources: "
+                           f"{sorted(cluster_resources)})")
+    return num_units, {**resources, "resources": {name: 1}}
+
+
+def node_of(info: Any) -> str:
+    """The Ray node id a worker reported ("" from a worker class that does not say)."""
+    return getattr(info, "node_id", "")
 
 
 def worker_name(index: int) -> str:
@@ -56,6 +81,8 @@ def pending_resources(opts: ControllerOptions, num_workers: int) -> str:
     """What the unstarted worker actors wait for, in words an operator can act on."""
     use_gpu = opts.worker.device != "cpu" and ray.cluster_resources().get("GPU", 0) >= 1
     need = {"GPU": 1.0} if use_gpu else {"CPU": opts.cluster.worker_num_cpus}
+    if not use_gpu and opts.cluster.worker_resource is not None:
+        need[opts.cluster.worker_resource] = 1.0
     available = ray.available_resources()
     have = {k: round(available.get(k, 0.0), 3) for k in need}
     if all(have[k] >= need[k] for k in need):

@@ -306,6 +306,7 @@ class WorkerSlot:
         steps = max(self.num_steps, 1)
         return {
             "worker": self.index, "device": self.info.device, "pid": self.info.pid,
+            "node": getattr(self.info, "node_id", ""),
             "incarnation": self.info.incarnation, "is_up": self.core.workers[self.index].is_up,
             "transport": self.transport.kind,
             "transport_fallback": self.transport.fallback_reason,

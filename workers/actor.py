@@ -42,6 +42,17 @@ class WorkerInfo:
     # New for every start of the actor's process: a restarted worker has empty KV tensors,
     # and a plan built against its predecessor's blocks must not run on it.
     incarnation: str = ""
+    node_id: str = ""  # the Ray node the process runs on ("" outside Ray)
+    node_ip: str = ""
+
+
+def _ray_node() -> tuple[str, str]:
+    """(node id, node IP) of this process's Ray node, or empty strings outside Ray."""
+    import ray
+
+    if not ray.is_initialized():
+        return "", ""
+    return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
 
 
 class WorkerRestartedError(RuntimeError):
@@ -75,7 +86,7 @@ class WorkerActor:
         return WorkerInfo(w.num_kv_blocks, w.block_size, w.vocab_size,
                           tuple(w.eos_token_ids), w.model_config.max_model_len,
                           str(w.model_path), str(w.device), os.getpid(),
-                          torch.get_num_threads(), self.incarnation)
+                          torch.get_num_threads(), self.incarnation, *_ray_node())
 
     def execute(self, plan: StepPlan | bytes, incarnation: str | None = None,
                 sender: str | None = None, seq: int | None = None) -> StepResult | bytes:
