@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from jinja2 import TemplateError
 
@@ -24,6 +26,9 @@ from controller.logprobs import TokenLogprob
 from controller.messages import Delta, FinishReason, SamplingParams
 from controller.request import RequestOutput
 from workers.tokenizer import IncrementalDetokenizer, Tokenizer
+
+if TYPE_CHECKING:
+    from workers.structured.compiler import GrammarCache
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -130,6 +135,8 @@ class Frontend:
         # A token's own text, for log-probability objects (the same few ids recur).
         self.token_text = functools.lru_cache(maxsize=65536)(
             lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False))
+        self._grammars: GrammarCache | None = None
+        self._grammars_lock = threading.Lock()
 
     def prepare(self, url: str, body: dict | bytes | str) -> Prepared:
         """Validate and tokenize one request; raises ProtocolError (400/404/422). CPU-bound
@@ -167,7 +174,34 @@ class Frontend:
         if request.num_choices > (request.n or 1) and params.logprobs is None:
             # best_of ranks by cumulative log-probability: the chosen tokens' are needed.
             params = dataclasses.replace(params, logprobs=0)
+        if request.grammar is not None:
+            self.check_grammar(request.grammar)
         return Prepared(url, request, prompt_ids, params, request.priority or 0)
+
+    @property
+    def grammars(self) -> GrammarCache:
+        """Built on the first constrained request (xgrammar, and torch with it, is imported
+        only by servers that get one)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                from workers.structured.compiler import cache_for
+
+                eos = self.tokenizer.eos_token_id
+                self._grammars = cache_for(self.tokenizer, self.vocab_size,
+                                           [] if eos is None else [eos])
+            return self._grammars
+
+    def check_grammar(self, grammar: p.GrammarRequest) -> None:
+        """Compile it here, on the caller's thread (the edge's executor, off its event loop
+        and off every step loop): a bad schema, regex or grammar is a 400 with the grammar
+        engine's reason; a good one is in this process's cache for the next request."""
+        from workers.structured.compiler import GrammarError
+
+        try:
+            self.grammars.compile(grammar.kind, grammar.text)
+        except GrammarError as err:
+            raise p.ProtocolError(400, f"'{grammar.param}' cannot be compiled: {err}",
+                                  param=grammar.param, code="invalid_grammar") from None
 
     def _encode(self, text: str, param: str, add_special_tokens: bool) -> list[int]:
         # A text whose length alone proves it over the cap is refused untokenized: the

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from cluster.protocol.errors import _invalid
 from cluster.protocol.fields import (
@@ -20,13 +20,13 @@ from cluster.protocol.fields import (
     StrictFloat,
     StrictInt,
     StrictStr,
-    TextFormatOnly,
     TokenIdList,
     Unsupported,
     check_non_negative_ids,
 )
 from cluster.protocol.logprobs import MAX_COMPLETION_LOGPROBS, MAX_TOP_LOGPROBS
 from cluster.protocol.messages import ChatMessage
+from cluster.protocol.structured import GrammarRequest, grammar_request
 
 # OpenAI caps `stop` at 4 sequences; matching cost grows with their number on every delta.
 MAX_STOP_SEQUENCES = 4
@@ -75,8 +75,16 @@ class _RequestBase(BaseModel):
     return_token_ids: StrictBool | None = False
     priority: Annotated[StrictInt, NullAsZero] = 0
     user: StrictStr | None = None
+    # Output constraints (cluster/protocol/structured.py): checked by `grammar`.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
     # OpenAI options whose silent omission would change the answer: 400, naming them.
     logit_bias: Annotated[dict[str, Any] | None, Unsupported] = None
+    _grammar: GrammarRequest | None = PrivateAttr(default=None)
 
     @field_validator("temperature")
     @classmethod
@@ -134,6 +142,19 @@ class _RequestBase(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise _invalid("is only allowed when 'stream' is true", field="stream_options")
         return self
+
+    @model_validator(mode="after")
+    def _check_grammar(self) -> _RequestBase:
+        self._grammar = grammar_request(
+            self.response_format, self.structured_outputs,
+            {"guided_json": self.guided_json, "guided_regex": self.guided_regex,
+             "guided_choice": self.guided_choice, "guided_grammar": self.guided_grammar})
+        return self
+
+    @property
+    def grammar(self) -> GrammarRequest | None:
+        """The output constraint asked for (its text not compiled yet), or None."""
+        return self._grammar
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -271,7 +292,6 @@ class ChatCompletionRequest(_RequestBase):
     functions: Annotated[list[Any] | None, Unsupported] = None
     tool_choice: Annotated[Any, NoToolChoice] = None
     function_call: Annotated[Any, NoToolChoice] = None
-    response_format: Annotated[dict[str, Any] | None, TextFormatOnly] = None
 
     @field_validator("messages", mode="before")
     @classmethod

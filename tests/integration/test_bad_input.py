@@ -43,9 +43,11 @@ CASES: list[tuple[str, str, bytes | dict[str, Any], int, str | None]] = [
     ("10,000-deep JSON", COMPLETIONS, b"[" * 10_000 + b"]" * 10_000, 400, None),
     ("tools", CHAT, {"messages": [{"role": "user", "content": "hi"}],
                      "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
-    ("response_format", CHAT, {"messages": [{"role": "user", "content": "hi"}],
-                               "response_format": {"type": "json_object"}}, 400,
+    ("bad json_schema", CHAT, {"messages": [{"role": "user", "content": "hi"}],
+                               "response_format": {"type": "json_schema", "json_schema": {
+                                   "name": "x", "schema": {"type": "objekt"}}}}, 400,
      "response_format"),
+    ("bad guided_regex", COMPLETIONS, {**OK_BODY, "guided_regex": "[a-"}, 400, "guided_regex"),
     ("priority 1e30", COMPLETIONS, {**OK_BODY, "priority": 10**30}, 400, "priority"),
     ("queue-jumping priority", COMPLETIONS, {**OK_BODY, "priority": -1}, 400, "priority"),
     ("5 MB body", COMPLETIONS, b'{"prompt": "' + b"x" * 5 * 2**20 + b'"}', 413, None),
