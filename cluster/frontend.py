@@ -22,6 +22,7 @@ from jinja2 import TemplateError
 from cluster import protocol as p
 from cluster.config import TokenflowConfig
 from cluster.protocol.logprobs import LogprobsFormatter
+from cluster.protocol.tools import ToolPlan, openai_tool_calls, parse_tool_calls
 from controller.logprobs import TokenLogprob
 from controller.messages import Delta, FinishReason, SamplingParams
 from controller.request import RequestOutput
@@ -45,6 +46,11 @@ class Prepared:
     @property
     def is_chat(self) -> bool:
         return self.url == CHAT
+
+    @property
+    def tool_plan(self) -> ToolPlan | None:
+        return self.request.tool_plan if isinstance(self.request, p.ChatCompletionRequest) \
+            else None
 
 
 class TextStream:
@@ -137,6 +143,7 @@ class Frontend:
             lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False))
         self._grammars: GrammarCache | None = None
         self._grammars_lock = threading.Lock()
+        self.num_tool_parse_failures = 0  # generated text that looked like calls, unparsed
 
     def prepare(self, url: str, body: dict | bytes | str) -> Prepared:
         """Validate and tokenize one request; raises ProtocolError (400/404/422). CPU-bound
@@ -150,7 +157,8 @@ class Frontend:
         if isinstance(request, p.ChatCompletionRequest):
             try:
                 text = self.tokenizer.apply_chat_template(request.conversation(),
-                                                          add_generation_prompt=True)
+                                                          add_generation_prompt=True,
+                                                          tools=request.template_tools)
             except (TemplateError, ValueError) as err:  # the template refuses these turns
                 raise p.ProtocolError(400, f"'messages' cannot be rendered by this model's "
                                       f"chat template: {str(err)[:200]}",
@@ -266,12 +274,41 @@ class Frontend:
                     completion_len=len(stream.token_ids),
                     token_ids=stream.token_ids if return_ids else None,
                     prompt_token_ids=prepared.prompt_token_ids if return_ids else None)
-        body = (p.chat_completion_response(**args) if prepared.is_chat
-                else p.completion_response(**args))
+        if prepared.is_chat:
+            body = p.chat_completion_response(**args)
+            plan = prepared.tool_plan
+            if plan is not None and plan.is_active:
+                self._put_tool_calls(body, plan, stream.text)
+        else:
+            body = p.completion_response(**args)
         body["choices"][0]["logprobs"] = self.logprobs_body(
             prepared, LogprobsFormatter(self.token_text), stream.logprobs,
             stream.prompt_logprobs if echo else None, len(echo))
         return body
+
+    def tool_stream_end(self, plan: ToolPlan, text: str, reason: FinishReason | None
+                        ) -> tuple[str | None, list[dict] | None, str | None]:
+        """A streamed answer with tools is held back (calls are parsed from the whole
+        text) and sent at its end: (content, streamed tool_calls deltas, finish reason)."""
+        content, calls, failed = parse_tool_calls(text, plan)
+        self.num_tool_parse_failures += failed
+        if not calls:
+            return text or None, None, reason
+        if reason == FinishReason.STOP and not plan.is_named:
+            reason = "tool_calls"
+        return content, openai_tool_calls(calls, streamed=True), reason
+
+    def _put_tool_calls(self, body: dict, plan: ToolPlan, text: str) -> None:
+        """The message's text as OpenAI tool calls, when it holds some."""
+        content, calls, failed = parse_tool_calls(text, plan)
+        self.num_tool_parse_failures += failed
+        if not calls:
+            return
+        choice = body["choices"][0]
+        choice["message"]["content"] = content
+        choice["message"]["tool_calls"] = openai_tool_calls(calls)
+        if choice["finish_reason"] == FinishReason.STOP and not plan.is_named:
+            choice["finish_reason"] = "tool_calls"
 
 
 def check_choices(request: p.CompletionRequest | p.ChatCompletionRequest,

@@ -61,6 +61,11 @@ def test_json_strings_refuse_control_characters_and_specials(cache: GrammarCache
     assert not allowed & control_bytes
     assert not allowed & {0, 1}  # <pad>, <s>: special, decoded as nothing
     assert 3 + ord("a") in allowed
+    # A UTF-16 surrogate's UTF-8 form (ED A0..BF ..) is not text: refused after its lead.
+    matcher = xgr.GrammarMatcher(cache.compile(s.JSON_SCHEMA, json.dumps(schema)))
+    assert matcher.accept_string('"') and matcher.accept_token(3 + 0xED)
+    assert not matcher.accept_token(3 + 0xA0)
+    assert matcher.accept_token(3 + 0x9F) and matcher.accept_token(3 + 0xBF)  # U+D7FF
 
 
 def test_choice_escapes_its_literals(cache: GrammarCache) -> None:

@@ -109,14 +109,18 @@ class GrammarCache:
         raise GrammarError(f"unknown grammar kind {kind!r}")
 
 
-# xgrammar 0.2.9 writes a string with maxLength/minLength as repeats of this class, which
-# lets raw control characters (U+0000-U+001F) through: JSON forbids them unescaped.
-_LENGTH_BOUNDED_CHAR = '[^\\"\\\\\\r\\n]'
-_JSON_STRING_CHAR = '[^\\0-\\x1f\\"\\\\]'
+# xgrammar 0.2.9's JSON strings: a string with maxLength/minLength repeats the first class,
+# which lets raw control characters (U+0000-U+001F) through, and both classes take UTF-16
+# surrogates (U+D800-U+DFFF, not valid in UTF-8 text: they decode as U+FFFD, so a string
+# under maxLength would come back over it). JSON forbids both.
+_STRING_CHAR_CLASSES = ('[^\\"\\\\\\r\\n]', '[^\\0-\\x1f\\"\\\\\\r\\n]')
+_JSON_STRING_CHAR = '[^\\0-\\x1f\\"\\\\\\uD800-\\uDFFF]'
 
 
 def _no_control_chars(ebnf: str) -> str:
-    return ebnf.replace(_LENGTH_BOUNDED_CHAR, _JSON_STRING_CHAR)
+    for char_class in _STRING_CHAR_CLASSES:
+        ebnf = ebnf.replace(char_class, _JSON_STRING_CHAR)
+    return ebnf
 
 
 def _reason(err: Exception) -> str:
