@@ -26,6 +26,7 @@ from cluster.protocol.tools import ToolPlan, openai_tool_calls, parse_tool_calls
 from controller.logprobs import TokenLogprob
 from controller.messages import Delta, FinishReason, SamplingParams
 from controller.request import RequestOutput
+from workers.structured.spec import GrammarStats
 from workers.tokenizer import IncrementalDetokenizer, Tokenizer
 
 if TYPE_CHECKING:
@@ -144,6 +145,7 @@ class Frontend:
         self._grammars: GrammarCache | None = None
         self._grammars_lock = threading.Lock()
         self.num_tool_parse_failures = 0  # generated text that looked like calls, unparsed
+        self.num_constrained_requests = 0
 
     def prepare(self, url: str, body: dict | bytes | str) -> Prepared:
         """Validate and tokenize one request; raises ProtocolError (400/404/422). CPU-bound
@@ -184,6 +186,8 @@ class Frontend:
             params = dataclasses.replace(params, logprobs=0)
         if request.grammar is not None:
             self.check_grammar(request.grammar)
+            with self._grammars_lock:
+                self.num_constrained_requests += 1
         return Prepared(url, request, prompt_ids, params, request.priority or 0)
 
     @property
@@ -198,6 +202,11 @@ class Frontend:
                 self._grammars = cache_for(self.tokenizer, self.vocab_size,
                                            [] if eos is None else [eos])
             return self._grammars
+
+    def grammar_stats(self) -> GrammarStats:
+        if self._grammars is None:
+            return GrammarStats()
+        return self._grammars.stats
 
     def check_grammar(self, grammar: p.GrammarRequest) -> None:
         """Compile it here, on the caller's thread (the edge's executor, off its event loop

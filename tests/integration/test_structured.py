@@ -113,3 +113,19 @@ def test_bad_constraint_is_400_with_its_reason(client: OpenAI, cluster: Cluster,
                                        **extra)
     assert reason in err.value.message
     cluster.check_integrity()
+
+
+def test_metrics_count_constrained_requests_and_cache_hits(cluster: Cluster) -> None:
+    import httpx
+
+    text = httpx.get(f"{cluster.url}/metrics", timeout=60).text
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("tokenflow_edge_"):
+            name, value = line.rsplit(" ", 1)
+            values[name.split("{")[0]] = values.get(name.split("{")[0], 0.0) + float(value)
+    # The parse tests above sent 40 requests with one schema: compiled once, then hits.
+    assert values["tokenflow_edge_constrained_requests_total"] >= 40
+    assert values["tokenflow_edge_grammar_cache_hits_total"] >= 39
+    assert values["tokenflow_edge_grammar_errors_total"] >= 2  # the bad schema, the grammar
+    assert values["tokenflow_edge_grammar_compile_seconds_total"] > 0

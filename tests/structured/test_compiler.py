@@ -72,3 +72,14 @@ def test_choice_escapes_its_literals(cache: GrammarCache) -> None:
     text = json.dumps(['say "hi"', "back\\slash"])
     assert _allowed(cache, s.CHOICE, text, 'say "hi') == {3 + ord('"')}
     assert _allowed(cache, s.CHOICE, text, "back\\") == {3 + ord("s")}
+
+
+def test_concurrent_requests_for_one_grammar_compile_it_once(cache: GrammarCache) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    text = s.canonical_json({"type": "array", "items": {"type": "integer"}, "maxItems": 7})
+    before = cache.stats.num_compiles
+    with ThreadPoolExecutor(8) as pool:
+        grammars = list(pool.map(lambda _: cache.compile(s.JSON_SCHEMA, text), range(16)))
+    assert cache.stats.num_compiles == before + 1
+    assert all(g is grammars[0] for g in grammars)

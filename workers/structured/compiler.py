@@ -11,24 +11,16 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 
 import xgrammar as xgr
 
 from workers.structured import spec as s
+from workers.structured.spec import GrammarStats
 from workers.tokenizer import Tokenizer
 
 
 class GrammarError(ValueError):
     """The grammar text is not valid (or not supported): the reason, for a 400."""
-
-
-@dataclass
-class GrammarStats:
-    num_compiles: int = 0
-    num_cache_hits: int = 0
-    num_errors: int = 0
-    compile_s: float = 0.0  # total seconds spent compiling
 
 
 def tokenizer_info(backend_json: str, vocab: dict[str, int], vocab_size: int,
@@ -55,35 +47,45 @@ class GrammarCache:
         self.max_entries = max_entries
         self._compiler = xgr.GrammarCompiler(info, max_threads=num_threads, cache_enabled=False)
         self._grammars: OrderedDict[tuple[str, str], xgr.CompiledGrammar] = OrderedDict()
+        # Keys being compiled: a second request for one waits for it, not compiles it again.
+        self._compiling: dict[tuple[str, str], threading.Event] = {}
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self.stats = GrammarStats()
 
     def compile(self, kind: str, text: str) -> xgr.CompiledGrammar:
         key = (kind, text)
-        with self._lock:
-            grammar = self._grammars.get(key)
-            if grammar is not None:
-                self._grammars.move_to_end(key)
-                self.stats.num_cache_hits += 1
-                return grammar
+        while True:
+            with self._lock:
+                grammar = self._grammars.get(key)
+                if grammar is not None:
+                    self._grammars.move_to_end(key)
+                    self.stats.num_cache_hits += 1
+                    return grammar
+                busy = self._compiling.get(key)
+                if busy is None:
+                    done = self._compiling[key] = threading.Event()
+                    break
+            busy.wait()  # then a hit, or (it failed) this thread's own try and error
         start = time.perf_counter()
         try:
             grammar = self._compile(kind, text)
-        except GrammarError:
+        except (GrammarError, RuntimeError, ValueError, TypeError) as err:
             with self._lock:
                 self.stats.num_errors += 1
-            raise
-        except (RuntimeError, ValueError, TypeError) as err:  # xgrammar's parse errors
-            with self._lock:
-                self.stats.num_errors += 1
-            raise GrammarError(_reason(err)) from None
+                del self._compiling[key]
+            done.set()
+            if isinstance(err, GrammarError):
+                raise
+            raise GrammarError(_reason(err)) from None  # xgrammar's parse errors
         with self._lock:
             self.stats.num_compiles += 1
             self.stats.compile_s += time.perf_counter() - start
             self._grammars[key] = grammar
             while len(self._grammars) > self.max_entries:
                 self._grammars.popitem(last=False)
+            del self._compiling[key]
+        done.set()
         return grammar
 
     def submit(self, kind: str, text: str) -> Future[xgr.CompiledGrammar]:

@@ -7,6 +7,7 @@ give equal text (JSON is dumped with sorted keys)."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 JSON_SCHEMA = "json_schema"
@@ -25,3 +26,13 @@ def choice_to_ebnf(choices: list[str]) -> str:
     """One alternative per allowed string; each literal escaped as a JSON string, whose
     escapes (\\", \\\\, \\n, \\uXXXX) EBNF string literals share."""
     return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+
+
+@dataclass
+class GrammarStats:
+    """A grammar cache's counters (workers/structured/compiler.py)."""
+
+    num_compiles: int = 0
+    num_cache_hits: int = 0
+    num_errors: int = 0
+    compile_s: float = 0.0  # total seconds spent compiling
