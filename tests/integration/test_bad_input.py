@@ -41,8 +41,9 @@ CASES: list[tuple[str, str, bytes | dict[str, Any], int, str | None]] = [
     ("lone surrogate in chat content", CHAT,
      b'{"messages": [{"role": "user", "content": "\\udc00"}]}', 400, "messages[0].content"),
     ("10,000-deep JSON", COMPLETIONS, b"[" * 10_000 + b"]" * 10_000, 400, None),
-    ("tools", CHAT, {"messages": [{"role": "user", "content": "hi"}],
-                     "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("nameless tool", CHAT, {"messages": [{"role": "user", "content": "hi"}],
+                             "tools": [{"type": "function", "function": {"name": ""}}]}, 400,
+     "tools[0]"),
     ("bad json_schema", CHAT, {"messages": [{"role": "user", "content": "hi"}],
                                "response_format": {"type": "json_schema", "json_schema": {
                                    "name": "x", "schema": {"type": "objekt"}}}}, 400,

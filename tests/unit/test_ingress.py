@@ -398,7 +398,7 @@ def test_deep_json_is_400(url: str) -> None:
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("functions", [{"name": "f"}]),
     ("response_format", {"type": "xml"}), ("top_logprobs", 21), ("n", 9),
     ("tool_choice", "required"), ("logit_bias", {"1": 5})])
 def test_options_that_change_the_answer_are_400_naming_them(field: str, value: Any) -> None:
