@@ -1,12 +1,14 @@
 """Structured outputs' cost: decode steps of 32 constrained requests vs 32 unconstrained
 ones on the same prompts, and grammar compile time for a 20-field schema, cold and cached.
 
-builtin:bench (32000-token vocabulary, random weights) on the CPU worker. One round runs the
-32 requests of one kind to the end; the two kinds alternate, in turn first, and per-step
-wall times around `LocalEngine.step` (the mask's fill, its application and the matchers'
-advance included) are kept for steps that decode exactly 32 rows. The figure is the ratio of
-the medians, constrained over unconstrained, with each round's ratio for spread. The
-builtin vocabulary is bytes plus filler tokens: a real tokenizer's compile times differ."""
+builtin:bench (32000-token vocabulary, random weights) on the CPU worker. Two engines, one
+per kind, each with its 32 requests, are stepped in alternation (the order swapping every
+step), so each constrained step has an unconstrained twin measured next to it under the
+same background load; each step's wall time around `LocalEngine.step` (the mask's fill, its
+application and the matchers' advance included) is kept when both steps of a pair decoded
+exactly 32 rows. The figure is the median of the per-pair ratios minus 1, with its
+quartiles for spread. The builtin vocabulary is bytes plus filler tokens: a real
+tokenizer's compile times differ."""
 
 from __future__ import annotations
 
@@ -33,21 +35,43 @@ def schema(num_fields: int = NUM_FIELDS) -> str:
                              "required": sorted(props), "additionalProperties": False})
 
 
-def _round(engine: Any, prompts: list[list[int]], params: SamplingParams) -> list[float]:
-    """Wall seconds of each step that decoded all BATCH rows."""
-    ids = [engine.add_request(p, params) for p in prompts]
-    times = []
-    while engine.has_unfinished():
-        engine.step_log.clear()
-        start = time.perf_counter()
-        engine.step()
-        elapsed = time.perf_counter() - start
-        if any(plan.total_num_scheduled_tokens == BATCH and len(result.sampled_token_ids)
-               == BATCH for plan, result in engine.step_log):
-            times.append(elapsed)
-    engine.check_integrity()
-    del ids
-    return times
+def _is_full_decode(engine: Any) -> bool:
+    return any(plan.total_num_scheduled_tokens == BATCH
+               and len(result.sampled_token_ids) == BATCH for plan, result in engine.step_log)
+
+
+def _timed_step(engine: Any) -> float:
+    engine.step_log.clear()
+    start = time.perf_counter()
+    engine.step()
+    return time.perf_counter() - start
+
+
+def _round(engines: dict[str, Any], prompts: list[list[int]],
+           kinds: dict[str, SamplingParams]) -> list[dict[str, float]]:
+    """One batch per engine run to the end in alternation: the (name -> seconds) pairs of
+    steps that decoded all BATCH rows on both engines."""
+    for name, engine in engines.items():
+        for prompt in prompts:
+            engine.add_request(prompt, kinds[name])
+    pairs = []
+    names = list(engines)
+    i = 0
+    while any(e.has_unfinished() for e in engines.values()):
+        times, full = {}, True
+        for name in names[i % 2:] + names[: i % 2]:
+            engine = engines[name]
+            if not engine.has_unfinished():
+                full = False
+                continue
+            times[name] = _timed_step(engine)
+            full = full and _is_full_decode(engine)
+        if full:
+            pairs.append(times)
+        i += 1
+    for engine in engines.values():
+        engine.check_integrity()
+    return pairs
 
 
 def _compile_times(num_repeats: int) -> dict[str, Any]:
@@ -72,16 +96,55 @@ def _compile_times(num_repeats: int) -> dict[str, Any]:
             "cached_us_median": statistics.median(cached) * 1e6, "n": num_repeats}
 
 
-def run(quick: bool, out_dir: Path) -> dict[str, Any]:
+def _mask_ms(num_repeats: int) -> dict[str, float]:
+    """The masking work alone for BATCH rows (`GrammarMasks.apply`: fill + apply, and the
+    matchers' advance), milliseconds per step, on 32000-wide random logits."""
+    import torch
+
+    from workers.presets import resolve_model
+    from workers.structured.compiler import cache_for
+    from workers.structured.mask import GrammarMasks
+    from workers.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(resolve_model(MODEL))
+    masks = GrammarMasks(cache_for(tokenizer, tokenizer.vocab_size, [2]))
+    params = SamplingParams(grammar_kind=s.JSON_SCHEMA, grammar_spec=schema())
+    ids = [f"r{i}" for i in range(BATCH)]
+    for rid in ids:
+        masks.add(rid, params, [])
+    generator = torch.Generator().manual_seed(0)
+    times = []
+    for _ in range(num_repeats):
+        logits = torch.randn(BATCH, tokenizer.vocab_size, generator=generator)
+        start = time.perf_counter()
+        masks.apply(logits, ids)
+        for i, rid in enumerate(ids):
+            masks.accept(rid, int(logits[i].argmax()))
+        times.append(time.perf_counter() - start)
+    return {"median_ms": statistics.median(times[1:]) * 1e3,
+            "max_ms": max(times[1:]) * 1e3, "n": num_repeats - 1}
+
+
+def _engine() -> Any:
     from cluster.engine import LocalEngine
 
-    num_rounds, num_tokens = (2, 12) if quick else (6, 40)
     engine = LocalEngine(worker={"model": MODEL, "telemetry": False},
                          cache={"num_kv_blocks": 1024, "block_size": 16},
                          scheduler={"max_num_batched_tokens": 2048, "max_num_seqs": BATCH,
                                     "max_chunk_tokens": 2048},
                          calibration={"auto": False})
     engine.keep_step_log = True
+    return engine
+
+
+def _quartiles(values: list[float]) -> list[float]:
+    q = statistics.quantiles(values, n=4) if len(values) > 1 else values * 3
+    return [q[0], q[-1]]
+
+
+def run(quick: bool, out_dir: Path) -> dict[str, Any]:
+    num_rounds, num_tokens = (1, 12) if quick else (4, 40)
+    engines = {"unconstrained": _engine(), "json_schema": _engine()}
     prompts = [[3 + (7 * i + j) % 250 for j in range(24)] for i in range(BATCH)]
     # The constrained JSON is longer than num_tokens: every request runs to its length.
     kinds = {
@@ -90,28 +153,21 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
         "json_schema": SamplingParams(max_tokens=num_tokens, temperature=0.0,
                                       grammar_kind=s.JSON_SCHEMA, grammar_spec=schema()),
     }
-    _round(engine, prompts, kinds["json_schema"])  # warm-up: compile, allocate
-    step_s: dict[str, list[float]] = {name: [] for name in kinds}
-    round_ratios = []
-    names = list(kinds)
-    for r in range(num_rounds):
-        medians = {}
-        for name in names[r % 2:] + names[: r % 2]:
-            times = _round(engine, prompts, kinds[name])
-            step_s[name] += times
-            medians[name] = statistics.median(times)
-        round_ratios.append(medians["json_schema"] / medians["unconstrained"])
-    med = {name: statistics.median(times) for name, times in step_s.items()}
-    overhead = med["json_schema"] / med["unconstrained"] - 1
+    _round(engines, prompts, kinds)  # warm-up: compile, allocate
+    pairs: list[dict[str, float]] = []
+    for _ in range(num_rounds):
+        pairs += _round(engines, prompts, kinds)
+    ratios = [p["json_schema"] / p["unconstrained"] for p in pairs]
+    med = {name: statistics.median(p[name] for p in pairs) for name in kinds}
     return {
         "benchmark": "structured",
         "model": MODEL,
         "batch": BATCH,
         "decode_step_ms_median": {name: v * 1e3 for name, v in med.items()},
-        "num_steps": {name: len(v) for name, v in step_s.items()},
-        "mask_overhead": overhead,
+        "num_step_pairs": len(pairs),
+        "mask_overhead": statistics.median(ratios) - 1,
+        "mask_overhead_quartiles": [r - 1 for r in _quartiles(ratios)],
         "mask_overhead_goal": 0.10,
-        "round_ratios": round_ratios,
-        "round_ratio_spread": [min(round_ratios), max(round_ratios)],
+        "mask_only_ms_per_step": _mask_ms(10 if quick else 60),
         "compile": _compile_times(3 if quick else 10),
     }
