@@ -11,7 +11,7 @@ import random
 import pytest
 
 from cluster.engine import LocalEngine
-from controller.messages import SamplingParams
+from controller.messages import SamplingParams, TokenLogprob
 from tests.structured.schemas import Person
 from workers.structured import spec as s
 from workers.tokenizer import Tokenizer
@@ -104,3 +104,41 @@ def test_over_long_generation_ends_with_length_and_its_prefix() -> None:
     ids, reason = _run(engine, [_params(0, max_tokens=7)])[0]
     assert reason == "length" and len(ids) == 7
     assert _text(engine, ids).startswith("{")
+
+
+def _scored(engine: LocalEngine, prompt: list[int], params: SamplingParams
+            ) -> tuple[list[int], list[TokenLogprob], list[TokenLogprob]]:
+    """One request run to its end: (output ids, their log-probabilities, the prompt's)."""
+    request_id = engine.add_request(prompt, params)
+    ids: list[int] = []
+    logprobs: list[TokenLogprob] = []
+    prompt_logprobs: list[TokenLogprob] = []
+    finished = False
+    while not finished:
+        for out in engine.step():
+            assert out.request_id == request_id
+            ids += out.new_token_ids
+            logprobs += out.logprobs or []
+            prompt_logprobs += out.prompt_logprobs or []
+            finished = out.finish_reason is not None
+    return ids, logprobs, prompt_logprobs
+
+
+def test_logprobs_of_a_constrained_request_are_the_raw_models() -> None:
+    """A request may ask for both: its log-probabilities are the model's, before the grammar
+    mask. The same tokens echoed as an unconstrained prompt score the same, and greedy
+    decoding under the grammar picks tokens the raw model does not rank first."""
+    prompt = _prompts(1)[0]
+    ids, logprobs, _ = _scored(_engine(), prompt, SamplingParams(
+        max_tokens=40, temperature=0.0, logprobs=3, grammar_kind=s.JSON_SCHEMA,
+        grammar_spec=SCHEMA))
+    assert [e.token_id for e in logprobs] == ids
+    _, _, echoed = _scored(_engine(), prompt + ids, SamplingParams(
+        max_tokens=1, temperature=0.0, prompt_logprobs=3))
+    raw = echoed[len(prompt) - 1 :]
+    assert [e.token_id for e in raw] == ids
+    for got, want in zip(logprobs, raw, strict=True):
+        assert got.top_ids == want.top_ids
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
+        assert got.top_logprobs == pytest.approx(want.top_logprobs, abs=1e-4)
+    assert any(e.top_ids[0] != e.token_id for e in logprobs)  # the mask did steer
