@@ -28,6 +28,7 @@ from benchmarks import (
     journal_bench,
     metrics_bench,
     policies_bench,
+    structured_bench,
 )
 
 BenchmarkFn = Callable[[bool, Path], dict[str, Any]]
@@ -41,6 +42,7 @@ BENCHMARKS: dict[str, BenchmarkFn] = {
     "metrics": metrics_bench.run,
     "journal": journal_bench.run,
     "chaos": chaos_bench.run,
+    "structured": structured_bench.run,
 }
 
 

@@ -77,6 +77,8 @@ async def sse_events(frontend: Frontend, prepared: Prepared, request_id: str,
     echo = frontend.echo_text(prepared)  # completions' echo: the first chunk leads with it
     formatter = LogprobsFormatter(frontend.token_text)
     num_sent = 0  # text.logprobs already in a chunk
+    tools = prepared.tool_plan if chat and prepared.tool_plan is not None \
+        and prepared.tool_plan.is_active else None
     try:
         if chat:  # OpenAI's first chat chunk announces the role
             yield p.sse(p.chat_completion_chunk(head, first=True,
@@ -94,6 +96,16 @@ async def sse_events(frontend: Frontend, prepared: Prepared, request_id: str,
                                     lambda: abort(request_id, FinishReason.STOP))
             if reason is not None:
                 reason = openai_finish_reason(text, reason)
+            if tools is not None:  # held back: sent whole at the end, as content or calls
+                piece = ""
+                if reason is not None:
+                    piece, calls, reason = frontend.tool_stream_end(tools, text.text, reason)
+                    if calls:
+                        chunk = p.chat_completion_chunk(head, piece,
+                                                        include_usage=include_usage)
+                        chunk["choices"][0]["delta"]["tool_calls"] = calls
+                        yield p.sse(chunk)
+                        piece = None
             ids = delta.token_ids if return_ids else None
             logprobs = frontend.logprobs_body(
                 prepared, formatter, text.logprobs[num_sent:],

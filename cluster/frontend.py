@@ -10,20 +10,27 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from jinja2 import TemplateError
 
 from cluster import protocol as p
 from cluster.config import TokenflowConfig
 from cluster.protocol.logprobs import LogprobsFormatter
+from cluster.protocol.tools import ToolPlan, openai_tool_calls, parse_tool_calls
 from controller.logprobs import TokenLogprob
 from controller.messages import Delta, FinishReason, SamplingParams
 from controller.request import RequestOutput
+from workers.structured.spec import GrammarStats
 from workers.tokenizer import IncrementalDetokenizer, Tokenizer
+
+if TYPE_CHECKING:
+    from workers.structured.compiler import GrammarCache
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -40,6 +47,11 @@ class Prepared:
     @property
     def is_chat(self) -> bool:
         return self.url == CHAT
+
+    @property
+    def tool_plan(self) -> ToolPlan | None:
+        return self.request.tool_plan if isinstance(self.request, p.ChatCompletionRequest) \
+            else None
 
 
 class TextStream:
@@ -130,6 +142,10 @@ class Frontend:
         # A token's own text, for log-probability objects (the same few ids recur).
         self.token_text = functools.lru_cache(maxsize=65536)(
             lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False))
+        self._grammars: GrammarCache | None = None
+        self._grammars_lock = threading.Lock()
+        self.num_tool_parse_failures = 0  # generated text that looked like calls, unparsed
+        self.num_constrained_requests = 0
 
     def prepare(self, url: str, body: dict | bytes | str) -> Prepared:
         """Validate and tokenize one request; raises ProtocolError (400/404/422). CPU-bound
@@ -143,7 +159,8 @@ class Frontend:
         if isinstance(request, p.ChatCompletionRequest):
             try:
                 text = self.tokenizer.apply_chat_template(request.conversation(),
-                                                          add_generation_prompt=True)
+                                                          add_generation_prompt=True,
+                                                          tools=request.template_tools)
             except (TemplateError, ValueError) as err:  # the template refuses these turns
                 raise p.ProtocolError(400, f"'messages' cannot be rendered by this model's "
                                       f"chat template: {str(err)[:200]}",
@@ -167,7 +184,41 @@ class Frontend:
         if request.num_choices > (request.n or 1) and params.logprobs is None:
             # best_of ranks by cumulative log-probability: the chosen tokens' are needed.
             params = dataclasses.replace(params, logprobs=0)
+        if request.grammar is not None:
+            self.check_grammar(request.grammar)
+            with self._grammars_lock:
+                self.num_constrained_requests += 1
         return Prepared(url, request, prompt_ids, params, request.priority or 0)
+
+    @property
+    def grammars(self) -> GrammarCache:
+        """Built on the first constrained request (xgrammar, and torch with it, is imported
+        only by servers that get one)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                from workers.structured.compiler import cache_for
+
+                eos = self.tokenizer.eos_token_id
+                self._grammars = cache_for(self.tokenizer, self.vocab_size,
+                                           [] if eos is None else [eos])
+            return self._grammars
+
+    def grammar_stats(self) -> GrammarStats:
+        if self._grammars is None:
+            return GrammarStats()
+        return self._grammars.stats
+
+    def check_grammar(self, grammar: p.GrammarRequest) -> None:
+        """Compile it here, on the caller's thread (the edge's executor, off its event loop
+        and off every step loop): a bad schema, regex or grammar is a 400 with the grammar
+        engine's reason; a good one is in this process's cache for the next request."""
+        from workers.structured.compiler import GrammarError
+
+        try:
+            self.grammars.compile(grammar.kind, grammar.text)
+        except GrammarError as err:
+            raise p.ProtocolError(400, f"'{grammar.param}' cannot be compiled: {err}",
+                                  param=grammar.param, code="invalid_grammar") from None
 
     def _encode(self, text: str, param: str, add_special_tokens: bool) -> list[int]:
         # A text whose length alone proves it over the cap is refused untokenized: the
@@ -232,12 +283,41 @@ class Frontend:
                     completion_len=len(stream.token_ids),
                     token_ids=stream.token_ids if return_ids else None,
                     prompt_token_ids=prepared.prompt_token_ids if return_ids else None)
-        body = (p.chat_completion_response(**args) if prepared.is_chat
-                else p.completion_response(**args))
+        if prepared.is_chat:
+            body = p.chat_completion_response(**args)
+            plan = prepared.tool_plan
+            if plan is not None and plan.is_active:
+                self._put_tool_calls(body, plan, stream.text)
+        else:
+            body = p.completion_response(**args)
         body["choices"][0]["logprobs"] = self.logprobs_body(
             prepared, LogprobsFormatter(self.token_text), stream.logprobs,
             stream.prompt_logprobs if echo else None, len(echo))
         return body
+
+    def tool_stream_end(self, plan: ToolPlan, text: str, reason: FinishReason | None
+                        ) -> tuple[str | None, list[dict] | None, str | None]:
+        """A streamed answer with tools is held back (calls are parsed from the whole
+        text) and sent at its end: (content, streamed tool_calls deltas, finish reason)."""
+        content, calls, failed = parse_tool_calls(text, plan)
+        self.num_tool_parse_failures += failed
+        if not calls:
+            return text or None, None, reason
+        if reason == FinishReason.STOP and not plan.is_named:
+            reason = "tool_calls"
+        return content, openai_tool_calls(calls, streamed=True), reason
+
+    def _put_tool_calls(self, body: dict, plan: ToolPlan, text: str) -> None:
+        """The message's text as OpenAI tool calls, when it holds some."""
+        content, calls, failed = parse_tool_calls(text, plan)
+        self.num_tool_parse_failures += failed
+        if not calls:
+            return
+        choice = body["choices"][0]
+        choice["message"]["content"] = content
+        choice["message"]["tool_calls"] = openai_tool_calls(calls)
+        if choice["finish_reason"] == FinishReason.STOP and not plan.is_named:
+            choice["finish_reason"] = "tool_calls"
 
 
 def check_choices(request: p.CompletionRequest | p.ChatCompletionRequest,

@@ -45,6 +45,7 @@ from cluster.auth import Authenticator
 from cluster.choices import Choice, choices_body, collect_choices, sse_choices, submit_choices
 from cluster.config import TokenflowConfig, api_keys_from_env
 from cluster.controller_client import ControllerClient, RayControllerClient
+from cluster.edge_metrics import render_edge
 from cluster.frontend import (
     CHAT,
     COMPLETIONS,
@@ -262,6 +263,7 @@ class OpenAIServer:
         configured = self.config.calibration.itl_slo_ms
         itl_slo_s = configured / 1e3 if configured is not None else snap.itl_slo_s
         body = render(snap, self.config.metrics, itl_slo_s or 0.0)
+        body += render_edge(self._frontend).encode()
         return Response(body, media_type=CONTENT_TYPE)
 
     def error(self, err: p.ProtocolError, request_id: str | None = None) -> JSONResponse:

@@ -54,6 +54,10 @@ class SamplingParams:
     # Choice i > 0 of an n > 1 request: the id of choice 0, whose prompt blocks it shares
     # (controller/choices.py). A scheduling hint: the worker ignores it.
     prompt_shared_with: str | None = None
+    # Structured output (workers/structured/spec.py): "" is unconstrained; else the kind and its
+    # text, which the worker's grammar mask enforces on every sampled token.
+    grammar_kind: str = ""
+    grammar_spec: str = ""
 
     @property
     def is_greedy(self) -> bool:

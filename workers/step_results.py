@@ -1,7 +1,8 @@
 """A worker's results side (a part of `Worker`): a step's `StepResult` with its sampled
 tokens, one `ChunkComplete` per prefill chunk, the bytes the step moved (the model's
 config prices them), the telemetry sample taken on it, and the log-probabilities its
-requests ask for (workers/logprobs.py)."""
+requests ask for (workers/logprobs.py), and the grammar masks of constrained requests
+(workers/structured/): log-probabilities are always of the raw logits, before the mask."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from workers.attention import SeqSpan
 from workers.logprobs import score_rows
 from workers.model_config import ModelConfig
 from workers.step_state import PendingStep, RequestState
+from workers.structured.compiler import cache_for
+from workers.structured.mask import GrammarMasks
 from workers.telemetry import TelemetrySource
 
 
@@ -29,6 +32,39 @@ class StepResults:
     model: Any
     dtype: torch.dtype
     vocab_size: int
+    _grammars: GrammarMasks | None
+    _host_ids: Tensor
+    tokenizer: Any
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def grammars(self) -> GrammarMasks:
+        """Constrained requests' matchers; the grammar cache is built on first use."""
+        if self._grammars is None:
+            self._grammars = GrammarMasks(cache_for(self.tokenizer, self.vocab_size,
+                                                    list(self.eos_token_ids)))
+        return self._grammars
+
+    def _apply_grammars(self, logits: Tensor, sampling_ids: list[str]) -> Tensor:
+        """Mask, in place, the tokens the grammars forbid (before either sampler). -> the
+        logits to score: log-probabilities are the model's own, before the mask, so a step
+        where a constrained request is masked and some request asks for them keeps a copy."""
+        grammars = self._grammars
+        if grammars is None or not len(grammars):
+            return logits
+        wants_scores = any(self._requests[rid].sampling_params.logprobs is not None
+                           for rid in sampling_ids)
+        raw_logits = logits.clone() if wants_scores else logits
+        grammars.apply(logits, sampling_ids)
+        return raw_logits
+
+    def _pinned_ids(self, num: int) -> Tensor:
+        """[num] int64 in pinned host memory; one buffer, reused: a launched step's ids are
+        read (`wait`) before the next step is launched."""
+        if self._host_ids.numel() < num:
+            self._host_ids = torch.empty(max(num, 2 * self._host_ids.numel()),
+                                         dtype=torch.int64, pin_memory=True)
+        return self._host_ids[:num]
 
     def _sample_telemetry(self, result: StepResult) -> StepResult:
         if self.telemetry is not None:
@@ -66,6 +102,8 @@ class StepResults:
             if token is not None:
                 state.token_ids.append(token)
                 state.num_output_tokens += 1
+                if self._grammars is not None:
+                    self._grammars.accept(request_id, token)
         result.bytes_moved = total_bytes
         return result
 

@@ -74,6 +74,18 @@ class Tokenizer:
                       default=1)
         return (longest + 1) * (1 if self._tok.normalizer is None else 4)
 
+    def backend_json(self) -> str:
+        """The `tokenizers` definition (tokenizer.json's text), for grammar engines."""
+        return self._tok.to_str()
+
+    def vocab(self) -> dict[str, int]:
+        """Token string -> id, added tokens included."""
+        return self._tok.get_vocab(with_added_tokens=True)
+
+    def special_token_ids(self) -> set[int]:
+        """Ids of added tokens marked special (left out of decoded text)."""
+        return {i for i, tok in self._tok.get_added_tokens_decoder().items() if tok.special}
+
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
@@ -93,11 +105,14 @@ class Tokenizer:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
+        """`tools` (OpenAI tool objects) go to the template's own `tools` argument."""
         return self._template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
+            tools=tools,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
         )

@@ -133,6 +133,7 @@ class Worker(StepResults):
             )
         self.sampler = Sampler(seed)
         self.keep_logits = keep_logits
+        self._grammars = None  # built on first use (`grammars`)
         self.last_logits: dict[str, Tensor] = {}  # [vocab] fp32, last token of the last span
         self.span_logits: dict[str, Tensor] = {}  # [n, vocab] fp32, every token of that span
         self._requests: dict[str, RequestState] = {}
@@ -234,6 +235,8 @@ class Worker(StepResults):
         """Drop every request (a restarted controller knows none of them; its pool is
         fresh, so the KV rows left behind are never read as a cached prefix)."""
         self._requests.clear()
+        if self._grammars is not None:
+            self._grammars.clear()
         self._launched = False  # a step launched and never waited for is forgotten too
 
     # ---- plan diffs -------------------------------------------------------------------------
@@ -253,6 +256,9 @@ class Worker(StepResults):
         )
         state.add_blocks(new.block_ids)
         self._requests[new.request_id] = state
+        if new.sampling_params.grammar_kind:  # its matcher, rebuilt from its output tokens
+            outputs = new.token_ids[len(new.token_ids) - new.num_output_tokens :]
+            self.grammars.add(new.request_id, new.sampling_params, outputs)
 
     def _update_request(self, cached: CachedRequestData) -> None:
         state = self._state(cached.request_id)
@@ -299,6 +305,8 @@ class Worker(StepResults):
             start_event.record()
         for request_id in plan.finished_request_ids:  # first: a preempted id may come back new
             self._requests.pop(request_id, None)
+            if self._grammars is not None:
+                self._grammars.drop(request_id)
         moves = None
         if plan.block_moves:
             moves = self._remap_blocks(plan.block_moves)
@@ -382,18 +390,20 @@ class Worker(StepResults):
             logits = all_logits[meta.logits_indices]
         else:
             logits = self.model.compute_logits(hidden[meta.logits_indices])  # [S, vocab]
+        raw_logits = self._apply_grammars(logits, sampling_ids)  # scored: before the mask
         if self.device.type == "cuda":
             # The step's one device-to-host copy, queued behind the step: into pinned memory,
             # so that it runs asynchronously; `wait` reads it once `done` has passed.
             ids = self.sampler.sample_on_device(logits, sampling, sampling_inputs)
-            self._score(pending, hidden, logits, ids)
+            self._score(pending, hidden, raw_logits, ids)
             pending.host_ids = self._pinned_ids(len(sample_rows))
             pending.host_ids.copy_(ids, non_blocking=True)
             pending.done = torch.cuda.Event(enable_timing=True)
             pending.done.record()
         else:
             pending.tokens = self.sampler(logits, sample_rows)
-            self._score(pending, hidden, logits, torch.tensor(pending.tokens, dtype=torch.long))
+            self._score(pending, hidden, raw_logits,
+                        torch.tensor(pending.tokens, dtype=torch.long))
             pending.end_s = time.perf_counter()  # the step has run: its time ends here
         return pending
 
@@ -418,14 +428,6 @@ class Worker(StepResults):
         sampled = dict(zip(pending.sampling_ids, pending.tokens, strict=True))
         result = self._finish_step(plan, pending.spans, sampled, elapsed_s)
         return self._sample_telemetry(self._add_logprobs(result, pending, sampled))
-
-    def _pinned_ids(self, num: int) -> Tensor:
-        """[num] int64 in pinned host memory; one buffer, reused: a launched step's ids are
-        read (`wait`) before the next step is launched."""
-        if self._host_ids.numel() < num:
-            self._host_ids = torch.empty(max(num, 2 * self._host_ids.numel()),
-                                         dtype=torch.int64, pin_memory=True)
-        return self._host_ids[:num]
 
     def _remap_blocks(self, moves: dict[int, int]) -> tuple[np.ndarray, np.ndarray]:
         """Defragmentation, host side: the requests' block tables follow the moves at once;

@@ -17,6 +17,7 @@ Modules, one concern each (import from this package, not from them):
 - `messages`, `requests`: the chat turn and the two request models (stage 1);
 - `validation`: parsing entry points, model-dependent checks (stage 2), `to_sampling_params`;
 - `responses`, `streaming`: response bodies, stream chunks and SSE framing;
+- `structured`: which output constraint a request asks for;
 - `stop`: stop-string matching; `batch`: the Batch API's line format.
 """
 
@@ -56,6 +57,7 @@ from cluster.protocol.streaming import (
     sse,
     usage_chunk,
 )
+from cluster.protocol.structured import GrammarRequest as GrammarRequest
 from cluster.protocol.validation import RequestT as RequestT
 from cluster.protocol.validation import (
     check_limits,

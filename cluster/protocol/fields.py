@@ -47,12 +47,6 @@ def _exactly_one(value: int | None) -> int | None:
     return value
 
 
-def _text_format_only(value: Any) -> Any:
-    if value is not None and value != {"type": "text"}:
-        raise _invalid("is not supported: only {'type': 'text'} (plain text output)")
-    return value
-
-
 def _no_tool_choice(value: Any) -> Any:
     if value not in (None, "none", "auto"):
         raise _invalid("is not supported: tools are not supported")
@@ -74,7 +68,6 @@ Unsupported = AfterValidator(_reject_if_set)
 # Options that would change what a response means when ignored: refused unless they are
 # at their plain-text, single-answer value.
 ExactlyOne = AfterValidator(_exactly_one)
-TextFormatOnly = AfterValidator(_text_format_only)
 NoToolChoice = AfterValidator(_no_tool_choice)
 # Clients send an explicit null for "unset"; these read it as the field's default.
 NullAsEmptyList = BeforeValidator(_null_to_empty_list)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -25,6 +27,20 @@ class ChatMessage(BaseModel):
     role: Annotated[StrictStr, Field(json_schema_extra={"enum": sorted(_ROLES)})]
     content: str = ""
     name: StrictStr | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls
+    tool_call_id: StrictStr | None = None  # a tool turn: the call it answers
+
+    def template_dict(self) -> dict[str, Any]:
+        """This turn as chat templates take it: tool calls' arguments as objects (the
+        templates of the families served dump them with `tojson`)."""
+        turn: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            turn["tool_calls"] = [_template_call(call) for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            turn["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            turn["name"] = self.name
+        return turn
 
     @field_validator("role")
     @classmethod
@@ -70,3 +86,12 @@ class ChatMessage(BaseModel):
         ):
             raise _invalid("is required", field="content")
         return data
+
+
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    function = dict(call.get("function") or {})
+    args = function.get("arguments")
+    if isinstance(args, str):
+        with contextlib.suppress(ValueError):  # else left as the client sent it
+            function["arguments"] = json.loads(args)
+    return {**call, "function": function}

@@ -9,9 +9,9 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from cluster.protocol.errors import _invalid
+from cluster.protocol.errors import ProtocolError, _invalid
 from cluster.protocol.fields import (
     NoToolChoice,
     NullAsZero,
@@ -20,13 +20,14 @@ from cluster.protocol.fields import (
     StrictFloat,
     StrictInt,
     StrictStr,
-    TextFormatOnly,
     TokenIdList,
     Unsupported,
     check_non_negative_ids,
 )
 from cluster.protocol.logprobs import MAX_COMPLETION_LOGPROBS, MAX_TOP_LOGPROBS
 from cluster.protocol.messages import ChatMessage
+from cluster.protocol.structured import GrammarRequest, grammar_request
+from cluster.protocol.tools import ToolPlan, tool_grammar, tool_plan
 
 # OpenAI caps `stop` at 4 sequences; matching cost grows with their number on every delta.
 MAX_STOP_SEQUENCES = 4
@@ -75,8 +76,16 @@ class _RequestBase(BaseModel):
     return_token_ids: StrictBool | None = False
     priority: Annotated[StrictInt, NullAsZero] = 0
     user: StrictStr | None = None
+    # Output constraints (cluster/protocol/structured.py): checked by `grammar`.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
     # OpenAI options whose silent omission would change the answer: 400, naming them.
     logit_bias: Annotated[dict[str, Any] | None, Unsupported] = None
+    _grammar: GrammarRequest | None = PrivateAttr(default=None)
 
     @field_validator("temperature")
     @classmethod
@@ -134,6 +143,19 @@ class _RequestBase(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise _invalid("is only allowed when 'stream' is true", field="stream_options")
         return self
+
+    @model_validator(mode="after")
+    def _check_grammar(self) -> _RequestBase:
+        self._grammar = grammar_request(
+            self.response_format, self.structured_outputs,
+            {"guided_json": self.guided_json, "guided_regex": self.guided_regex,
+             "guided_choice": self.guided_choice, "guided_grammar": self.guided_grammar})
+        return self
+
+    @property
+    def grammar(self) -> GrammarRequest | None:
+        """The output constraint asked for (its text not compiled yet), or None."""
+        return self._grammar
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -267,11 +289,13 @@ class ChatCompletionRequest(_RequestBase):
     max_completion_tokens: Annotated[OutputTokenLimit, _schema(minimum=1)] = None
     logprobs: StrictBool | None = False
     top_logprobs: Annotated[StrictInt | None, _schema(minimum=0, maximum=MAX_TOP_LOGPROBS)] = None
-    tools: Annotated[list[Any] | None, Unsupported] = None
+    # Checked by `_check_tools` (cluster/protocol/tools.py).
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
     functions: Annotated[list[Any] | None, Unsupported] = None
-    tool_choice: Annotated[Any, NoToolChoice] = None
+    _tool_plan: ToolPlan | None = PrivateAttr(default=None)
     function_call: Annotated[Any, NoToolChoice] = None
-    response_format: Annotated[dict[str, Any] | None, TextFormatOnly] = None
 
     @field_validator("messages", mode="before")
     @classmethod
@@ -297,6 +321,30 @@ class ChatCompletionRequest(_RequestBase):
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    @model_validator(mode="after")
+    def _check_tools(self) -> ChatCompletionRequest:
+        self._tool_plan = tool_plan(self.tools, self.tool_choice, self.parallel_tool_calls)
+        grammar = None if self._tool_plan is None else tool_grammar(self._tool_plan)
+        if grammar is not None:
+            if self._grammar is not None:
+                raise ProtocolError(400, f"only one output constraint per request: "
+                                    f"'tool_choice' {self._tool_plan.choice!r} constrains "
+                                    f"the output, and so does '{self._grammar.param}'",
+                                    param="tool_choice")
+            self._grammar = grammar
+        return self
+
+    @property
+    def tool_plan(self) -> ToolPlan | None:
+        """The tools and what to do with them; None without tools."""
+        return self._tool_plan
+
+    @property
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the chat template renders (none with tool_choice 'none')."""
+        plan = self._tool_plan
+        return None if plan is None or not plan.is_active else list(plan.tools)
+
     @property
     def requested_max_tokens(self) -> int | None:
         if self.max_completion_tokens is not None:
@@ -311,6 +359,7 @@ class ChatCompletionRequest(_RequestBase):
     def prompt_param(self) -> str:
         return "messages"
 
-    def conversation(self) -> list[dict[str, str]]:
-        """Messages as `[{"role", "content"}]`, the shape chat templates take."""
-        return [{"role": m.role, "content": m.content} for m in self.messages]
+    def conversation(self) -> list[dict[str, Any]]:
+        """Messages as `[{"role", "content", ...}]`, the shape chat templates take (tool
+        calls and tool results included)."""
+        return [m.template_dict() for m in self.messages]

@@ -225,4 +225,6 @@ def to_sampling_params(req: _RequestBase, default_max_tokens: int) -> SamplingPa
         stop=tuple(req.stop),
         logprobs=req.num_logprobs,
         prompt_logprobs=req.num_prompt_logprobs,
+        grammar_kind=req.grammar.kind if req.grammar else "",
+        grammar_spec=req.grammar.text if req.grammar else "",
     )

@@ -93,3 +93,29 @@ def test_resume_retries_retryable_failures_and_keeps_the_rest(tmp_path):
     summary = json.loads((tmp_path / "out.jsonl.summary.json").read_text())
     assert summary["retried"] == 1 and summary["skipped"] == 2
     assert summary["completed"] == 2  # ids and chat
+
+
+def test_batch_lines_take_output_constraints(tmp_path):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                     "maximum": 99}}, "required": ["n"]}
+    lines = [
+        {"custom_id": "schema", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"messages": [{"role": "user", "content": "n?"}], "max_tokens": 30,
+                  "temperature": 0, "response_format": {
+                      "type": "json_schema", "json_schema": {"name": "n", "schema": schema}}}},
+        {"custom_id": "choice", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": "ok?", "max_tokens": 8, "guided_choice": ["yes", "no"]}},
+        {"custom_id": "bad", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": "x", "guided_regex": "[a-"}},
+    ]
+    inp.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    proc = run_batch(inp, out)
+    assert proc.returncode == 0, proc.stderr
+    by_id = {row["custom_id"]: row["response"] for row in map(json.loads,
+                                                               out.read_text().splitlines())}
+    content = by_id["schema"]["body"]["choices"][0]["message"]["content"]
+    assert 0 <= json.loads(content)["n"] <= 99
+    assert by_id["choice"]["body"]["choices"][0]["text"] in ("yes", "no")
+    assert by_id["bad"]["status_code"] == 400
+    assert by_id["bad"]["body"]["error"]["param"] == "guided_regex"

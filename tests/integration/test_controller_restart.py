@@ -100,3 +100,28 @@ async def run_scenario(controller) -> None:
 
 def test_controller_sigkill_mid_stream_is_a_pause_not_an_error(controller) -> None:
     asyncio.run(asyncio.wait_for(run_scenario(controller), 600))
+
+
+# A constrained variant: the grammar travels in the journal's params; the workers' matchers
+# are rebuilt from the resumed requests' tokens.
+CONSTRAINED = SamplingParams(
+    max_tokens=32, temperature=0.0, grammar_kind="json_schema",
+    grammar_spec='{"properties":{"a":{"maxLength":40,"type":"string"},"b":{"type":"integer"}},'
+                 '"required":["a","b"],"type":"object"}')
+
+
+def test_constrained_requests_survive_a_controller_kill(controller) -> None:
+    async def scenario() -> None:
+        client = RayControllerClient(controller)
+        reference = await run_streams(client, PROMPTS[:8], CONSTRAINED, "cref")
+        assert all(r.error is None for r in reference)
+        assert all(r.token_ids[:2] == [3 + ord("{"), 3 + ord('"')] for r in reference)
+        disturbed = await run_streams(client, PROMPTS[:8], CONSTRAINED, "ckill",
+                                      kill=lambda: _kill_controller(controller))
+        for j, (got, ref) in enumerate(zip(disturbed, reference, strict=True)):
+            assert got.error is None and got.finish_reason == ref.finish_reason, (j, got.error)
+            assert got.token_ids == ref.token_ids, j
+        assert client.num_reconnects == 1
+        assert (await controller.wait_workers_up.remote(120))["ok"]
+
+    asyncio.run(asyncio.wait_for(scenario(), 600))

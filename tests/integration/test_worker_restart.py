@@ -101,3 +101,30 @@ def test_worker_sigkill_mid_stream_loses_nothing_and_changes_nothing(controller)
     workers = ray.get(controller.stats.remote(), timeout=30)["workers"]
     assert all(w["transport_fallback"] is None for w in workers), workers  # as configured
     asyncio.run(asyncio.wait_for(run_scenario(controller), 900))
+
+
+# A constrained variant: the worker's matchers are rebuilt from the tokens on the new worker.
+CONSTRAINED = SamplingParams(
+    max_tokens=24, temperature=0.0, grammar_kind="json_schema",
+    grammar_spec='{"properties":{"a":{"maxLength":30,"type":"string"},"b":{"type":"integer"}},'
+                 '"required":["a","b"],"type":"object"}')
+
+
+def test_constrained_requests_survive_a_worker_kill(controller) -> None:
+    async def scenario() -> None:
+        client = RayControllerClient(controller)
+        plain = await run_streams(client, PROMPTS[:8], PARAMS, "cplain")
+        reference = await run_streams(client, PROMPTS[:8], CONSTRAINED, "cref")
+        assert all(r.error is None for r in reference)
+        # The grammar acts: every output starts an object (the unconstrained ones do not).
+        assert all(r.token_ids[:2] == [3 + ord("{"), 3 + ord('"')] for r in reference)
+        assert any(p.token_ids[:2] != r.token_ids[:2] for p, r in zip(plain, reference,
+                                                                     strict=True))
+        disturbed = await run_streams(client, PROMPTS[:8], CONSTRAINED, "ckill",
+                                      kill=lambda: _kill_worker(controller, 0))
+        for j, (got, ref) in enumerate(zip(disturbed, reference, strict=True)):
+            assert got.error is None and got.finish_reason == ref.finish_reason, (j, got.error)
+            assert got.token_ids == ref.token_ids, j
+        assert (await controller.wait_workers_up.remote(120))["ok"]
+
+    asyncio.run(asyncio.wait_for(scenario(), 600))

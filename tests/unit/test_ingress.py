@@ -398,8 +398,8 @@ def test_deep_json_is_400(url: str) -> None:
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("tools", [{"type": "function", "function": {"name": "f"}}]),
-    ("response_format", {"type": "json_object"}), ("top_logprobs", 21), ("n", 9),
+    ("functions", [{"name": "f"}]),
+    ("response_format", {"type": "xml"}), ("top_logprobs", 21), ("n", 9),
     ("tool_choice", "required"), ("logit_bias", {"1": 5})])
 def test_options_that_change_the_answer_are_400_naming_them(field: str, value: Any) -> None:
     resp = make_client(FakeClient(ids("x"))).post(CHAT, json={
