@@ -7,7 +7,7 @@ requests ask for (workers/logprobs.py), and the grammar masks of constrained req
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -17,9 +17,10 @@ from workers.attention import SeqSpan
 from workers.logprobs import score_rows
 from workers.model_config import ModelConfig
 from workers.step_state import PendingStep, RequestState
-from workers.structured.compiler import cache_for
-from workers.structured.mask import GrammarMasks
 from workers.telemetry import TelemetrySource
+
+if TYPE_CHECKING:  # xgrammar (which imports pydantic) loads with the first grammar only
+    from workers.structured.mask import GrammarMasks
 
 
 class StepResults:
@@ -41,6 +42,9 @@ class StepResults:
     def grammars(self) -> GrammarMasks:
         """Constrained requests' matchers; the grammar cache is built on first use."""
         if self._grammars is None:
+            from workers.structured.compiler import cache_for
+            from workers.structured.mask import GrammarMasks
+
             self._grammars = GrammarMasks(cache_for(self.tokenizer, self.vocab_size,
                                                     list(self.eos_token_ids)))
         return self._grammars
