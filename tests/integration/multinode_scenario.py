@@ -119,11 +119,13 @@ def main(path: str) -> int:
     import ray
     from ray.cluster_utils import Cluster
 
-    from tests.redis_server import RedisServer
+    from tests.redis_server import RedisServer, free_port
 
     redis = RedisServer().start()
+    # The head's agent on a free port: Ray's default (52365) may be another local cluster's.
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 1, "node_ip_address": "127.0.0.1", "include_dashboard": False,
+        "dashboard_agent_listen_port": free_port(),
         "object_store_memory": 80 * 1024 * 1024})
     out: dict[str, Any] = {}
     try:
