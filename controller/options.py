@@ -59,6 +59,16 @@ class WorkerConfig:
         "on first use); mixed steps run eagerly."))
     max_graph_batch: int = setting(256, ge=1, description=(
         "Largest decode batch replayed from a CUDA graph; larger ones run eagerly."))
+    cpu_packed_weights: bool = setting(True, description=(
+        "On a CPU fp32 worker, keep oneDNN-packed copies of the linear layers' weights "
+        "(decode GEMMs skip the per-call re-pack; costs one extra copy of those weights)."))
+    cpu_packed_min_rows: int = setting(8, ge=1, description=(
+        "Rows from which a packed layer calls its packed copy; fewer rows take the plain "
+        "GEMM, whose call overhead is lower."))
+    cpu_packed_min_elements: int = setting(1 << 17, ge=1, description=(
+        "Weights smaller than this (elements) are never packed."))
+    cpu_packed_any_rows_elements: int = setting(1 << 20, ge=1, description=(
+        "Weights of at least this many elements use the packed copy for any row count."))
     num_threads: int | None = setting(None, description=(
         "torch intra-op threads of a CPU worker (actor or LocalEngine). None: the "
         "process's default: as many as the CPUs Ray reserves for an actor "
