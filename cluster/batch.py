@@ -159,7 +159,7 @@ def offline_budget(config: TokenflowConfig, budget_set: bool) -> TokenflowConfig
         return config.model_copy(update={"scheduler": scheduler})
     scheduler = dataclasses.replace(
         scheduler, max_num_batched_tokens=config.batch.max_num_batched_tokens)
-    calibration = config.calibration.model_copy(update={"auto": False})
+    calibration = dataclasses.replace(config.calibration, auto=False)
     return config.model_copy(update={"scheduler": scheduler, "calibration": calibration})
 
 

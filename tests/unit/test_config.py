@@ -112,7 +112,7 @@ def test_every_setting_is_documented() -> None:
     sections = schema["$defs"]
     assert set(schema["properties"]) == {"worker", "cache", "scheduler", "flow", "protections",
                                          "degraded", "calibration", "cluster", "recovery",
-                                         "metrics", "journal", "edge", "batch"}
+                                         "metrics", "journal", "edge", "batch", "slo"}
     for name, section in sections.items():
         for field, spec in section["properties"].items():
             assert spec.get("description"), f"{name}.{field} has no description"
@@ -128,9 +128,54 @@ def test_batch_settings_are_their_own_section(monkeypatch: pytest.MonkeyPatch) -
     assert not [f.name for f in dataclasses.fields(ClusterConfig) if "batch" in f.name]
     with pytest.raises(ValidationError, match=r"batch\.start_timeout_s"):
         TokenflowConfig(batch={"start_timeout_s": 0})
-    # The old name of the setting (renamed, docs/architecture.md) fails at start, by name.
-    with pytest.raises(ValidationError, match=r"batch\.ready_wait_s"):
+    # The old name of the setting (renamed, docs/architecture.md) fails at start, naming
+    # the new one.
+    with pytest.raises(ValidationError, match=r"batch\.ready_wait_s is now batch\.start_timeout_s"):
         TokenflowConfig(batch={"ready_wait_s": 600})
+
+
+def test_slos_are_one_section_read_by_the_controller_and_the_edge() -> None:
+    from cluster.metrics import MetricsConfig
+    from controller.budget import AutoBudget
+    from controller.calibration import CalibrationConfig
+    from controller.protections import ProtectionConfig
+    from controller.slo import SloConfig
+
+    config = TokenflowConfig(slo={"itl_ms": 40.0, "ttft_s": 1.0, "max_headroom": 1.1},
+                             calibration={"auto": True})
+    assert config.slo == SloConfig(itl_ms=40.0, ttft_s=1.0, max_headroom=1.1)
+    assert config.controller_options().slo is config.slo  # the controller takes it whole
+    assert config.auto_budget() == AutoBudget(config.calibration.quick(), 40.0)
+    assert TokenflowConfig().slo == SloConfig()  # the defaults the three homes had
+    assert (SloConfig().itl_ms, SloConfig().ttft_s, SloConfig().max_headroom) == (None, 2.0, 1.3)
+    assert (SloConfig().headroom_window, SloConfig().headroom_quantile) == (64, 1.0)
+    # No SLO is left in the sections they came from.
+    for cls in (ProtectionConfig, MetricsConfig, CalibrationConfig):
+        assert not [f.name for f in dataclasses.fields(cls) if "slo_" in f.name]
+    with pytest.raises(ValidationError, match=r"slo\.headroom_window"):
+        TokenflowConfig(slo={"headroom_window": 0})
+
+
+@pytest.mark.parametrize(("section", "field", "new"), [
+    ("calibration", "itl_slo_ms", r"slo\.itl_ms"),
+    ("metrics", "ttft_slo_s", r"slo\.ttft_s"),
+    ("protections", "slo_headroom_quantile", r"slo\.headroom_quantile"),
+    ("protections", "slo_headroom_window", r"slo\.headroom_window"),
+    ("protections", "max_slo_headroom", r"slo\.max_headroom"),
+])
+def test_an_old_slo_name_fails_at_start_naming_its_new_home(
+        monkeypatch: pytest.MonkeyPatch, section: str, field: str, new: str) -> None:
+    with pytest.raises(ValidationError, match=rf"{section}\.{field} is now {new}"):
+        TokenflowConfig(**{section: {field: 1}})
+    args = copy.deepcopy(serve_args())  # serve.yaml's args, as build_app gets them
+    args.setdefault(section, {})[field] = 1
+    with pytest.raises(ValidationError, match=rf"{section}\.{field} is now {new}"):
+        build_app(args)
+    name = f"TOKENFLOW_{section.upper()}__{field.upper()}"
+    monkeypatch.setenv(name, "1")
+    with pytest.raises(ValueError, match=rf"{name} \({section}\.{field} is now {new}: "
+                                         rf"TOKENFLOW_SLO__"):
+        TokenflowConfig()
 
 
 @pytest.mark.parametrize("name", ["TOKENFLOW_CLUSTER__BATCH_MAX_IN_FLIGHT",
