@@ -20,19 +20,21 @@ import dataclasses
 import json
 import os
 import typing
+from collections.abc import Iterable
 from typing import Any
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     SecretStr,
     ValidationError,
     model_validator,
 )
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from cluster.batch_config import BatchConfig
+from cluster.batch_config import BatchConfig, check_overrides
 from cluster.metrics import MetricsConfig
 from cluster.renames import check_moved, moved_env
 from controller.budget import AutoBudget, BudgetTable
@@ -229,9 +231,37 @@ def check_env(environ: dict[str, str] | None = None) -> None:
                          f"{ENV_NESTED_DELIMITER}<FIELD>")
 
 
+def given_settings(data: dict[str, Any], environ: dict[str, str]) -> frozenset[str]:
+    """`section.field` of every setting given rather than defaulted: keyword arguments (of
+    a section object, the fields off their defaults) and `TOKENFLOW_*` variables."""
+    given: set[str] = set()
+    for section, values in data.items():
+        if isinstance(values, dict):
+            given.update(f"{section}.{name}" for name in values)
+        elif dataclasses.is_dataclass(values) and not isinstance(values, type):
+            default = type(values)()
+            given.update(f"{section}.{f.name}" for f in dataclasses.fields(values)
+                         if getattr(values, f.name) != getattr(default, f.name))
+    for name, value in environ.items():
+        key = name.upper()
+        if not key.startswith(ENV_PREFIX) or key in OTHER_ENV_VARS:
+            continue
+        section, _, rest = key[len(ENV_PREFIX):].lower().partition(ENV_NESTED_DELIMITER)
+        if rest:
+            given.add(f"{section}.{rest.partition(ENV_NESTED_DELIMITER)[0]}")
+            continue
+        with contextlib.suppress(ValueError):  # a whole section as JSON
+            values = json.loads(value)
+            given.update(f"{section}.{k}" for k in values if isinstance(values, dict))
+    return frozenset(given)
+
+
 class TokenflowConfig(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid",
                                       env_nested_delimiter=ENV_NESTED_DELIMITER)
+    # The settings given rather than defaulted (`is_given`): a batch profile's override
+    # yields to them.
+    _given: frozenset[str] = PrivateAttr(default_factory=frozenset)
 
     worker: WorkerConfig = Field(default_factory=WorkerConfig, description=(
         "The model and the worker actors that run it."))
@@ -265,7 +295,39 @@ class TokenflowConfig(BaseSettings):
 
     def __init__(self, **data: Any) -> None:
         check_env()
+        given = given_settings(data, dict(os.environ))
         super().__init__(**data)
+        self._given = given
+
+    @model_validator(mode="after")
+    def _check_batch_profile(self) -> TokenflowConfig:
+        sections = {name: getattr(self, name) for name in type(self).model_fields
+                    if name != "batch"}
+        checked = check_overrides(self.batch.overrides, sections)
+        if checked != self.batch.overrides:  # as the sections validate them ("8" -> 8)
+            self.batch = dataclasses.replace(self.batch, overrides=checked)
+        return self
+
+    def __eq__(self, other: object) -> bool:
+        # The settings, not how they were given: a configuration rebuilt from its dump is it.
+        return isinstance(other, TokenflowConfig) and self.__dict__ == other.__dict__
+
+    def is_given(self, dotted: str) -> bool:
+        """Whether `section.field` was given (keyword, serve.yaml args, environment)."""
+        return dotted in self._given
+
+    def with_batch_profile(self, sections: Iterable[str],
+                           also_given: Iterable[str] = ()) -> TokenflowConfig:
+        """This configuration as a batch job runs it: `batch.overrides` of `sections` on
+        each setting that was not given (nor is in `also_given`)."""
+        kept = self._given | set(also_given)
+        update = {}
+        for section in sections:
+            fields = {name: value for name, value in self.batch.overrides.get(section, {})
+                      .items() if f"{section}.{name}" not in kept}
+            if fields:
+                update[section] = dataclasses.replace(getattr(self, section), **fields)
+        return self.model_copy(update=update)
 
     @model_validator(mode="before")
     @classmethod

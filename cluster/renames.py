@@ -15,6 +15,9 @@ OLD_TO_NEW: dict[str, str] = {
     "protections.slo_headroom_quantile": "slo.headroom_quantile",
     "protections.slo_headroom_window": "slo.headroom_window",
     "protections.max_slo_headroom": "slo.max_headroom",
+    "batch.max_num_batched_tokens": "batch.overrides.scheduler.max_num_batched_tokens",
+    "batch.max_concurrent_chunks": "batch.overrides.scheduler.max_concurrent_chunks",
+    "batch.worker_num_threads": "batch.overrides.worker.num_threads",
 }
 
 
@@ -47,5 +50,5 @@ def moved_env(name: str, prefix: str, delimiter: str) -> str | None:
     old = name[len(prefix):].lower().replace(delimiter, ".", 1)
     if old not in OLD_TO_NEW:
         return None
-    new_env = prefix + OLD_TO_NEW[old].upper().replace(".", delimiter, 1)
+    new_env = prefix + OLD_TO_NEW[old].upper().replace(".", delimiter)
     return f"{name} ({moved(old)}: {new_env})"
