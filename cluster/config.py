@@ -221,14 +221,15 @@ def check_env(environ: dict[str, str] | None = None) -> None:
     unknown = [name for name in environ if name.upper().startswith(ENV_PREFIX)
                and name.upper() not in OTHER_ENV_VARS
                and not _is_known(name[len(ENV_PREFIX):].lower())]
-    renamed = [m for m in (moved_env(n.upper(), ENV_PREFIX, ENV_NESTED_DELIMITER)
-                           for n in unknown) if m]
-    if renamed:
-        raise ValueError(f"renamed configuration variable(s): {'; '.join(sorted(renamed))}")
-    if unknown:
-        raise ValueError(f"unknown configuration variable(s) {', '.join(sorted(unknown))}: "
-                         f"set sections' fields as {ENV_PREFIX}<SECTION>"
-                         f"{ENV_NESTED_DELIMITER}<FIELD>")
+    moved = {n: moved_env(n.upper(), ENV_PREFIX, ENV_NESTED_DELIMITER) for n in unknown}
+    renamed = sorted(m for m in moved.values() if m)
+    problems = [f"renamed configuration variable(s): {'; '.join(renamed)}"] if renamed else []
+    if unknown := [n for n in unknown if not moved[n]]:
+        problems.append(f"unknown configuration variable(s) {', '.join(sorted(unknown))}: "
+                        f"set sections' fields as {ENV_PREFIX}<SECTION>"
+                        f"{ENV_NESTED_DELIMITER}<FIELD>")
+    if problems:
+        raise ValueError("; ".join(problems))
 
 
 def given_settings(data: dict[str, Any], environ: dict[str, str]) -> frozenset[str]:

@@ -176,6 +176,9 @@ def test_an_old_slo_name_fails_at_start_naming_its_new_home(
     with pytest.raises(ValueError, match=rf"{name} \({section}\.{field} is now {new}: "
                                          rf"TOKENFLOW_SLO__"):
         TokenflowConfig()
+    monkeypatch.setenv("TOKENFLOW_SLO__ITL_M", "1")  # a misspelling beside it is named too
+    with pytest.raises(ValueError, match=rf"is now {new}.*unknown.*TOKENFLOW_SLO__ITL_M\b"):
+        TokenflowConfig()
 
 
 @pytest.mark.parametrize("name", ["TOKENFLOW_CLUSTER__BATCH_MAX_IN_FLIGHT",
