@@ -11,6 +11,7 @@ validated like them (`check_overrides`, at start): a misspelled key fails naming
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -76,6 +77,11 @@ class BatchConfig:
         object.__setattr__(self, "overrides", merged)
 
 
+@functools.cache
+def _adapter(section_type: type) -> TypeAdapter[Any]:
+    return TypeAdapter(section_type)  # built once per section class: it costs milliseconds
+
+
 def check_overrides(overrides: Mapping[str, Mapping[str, Any]],
                     sections: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """The profile with its values as the sections validate them (`sections`: name -> the
@@ -92,7 +98,7 @@ def check_overrides(overrides: Mapping[str, Mapping[str, Any]],
             if field not in known:
                 raise ValueError(f"{where}.{field}: {name} has no such setting")
         try:
-            profiled = TypeAdapter(type(section)).validate_python(
+            profiled = _adapter(type(section)).validate_python(
                 {**dataclasses.asdict(section), **fields})
         except ValidationError as err:
             reasons = "; ".join(".".join([where, *map(str, e["loc"])]) + f": {e['msg']}"
