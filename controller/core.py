@@ -100,7 +100,7 @@ class ControllerCore(Routing, Stepping):
                               itl_slo_s=itl_slo_s),
                 FlowControl(options.flow, scheduler_config.max_concurrent_chunks),
                 Protections(protection_config, chunk_cost), step_cost=step_cost,
-                refit=OnlineRefit(protection_config) if step_cost is not None else None)
+                refit=None if step_cost is None else OnlineRefit(protection_config, options.slo))
             for p in pools]
         self.request_to_worker: dict[str, int] = {}
         self._ids = itertools.count()

@@ -11,13 +11,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Literal, get_args, get_type_hints
 
-from controller.budget import AutoBudget, BudgetFit, BudgetTable, StepCost
+from controller.budget import AutoBudget, BudgetTable, StepCost
+from controller.calibration import CalibrationConfig
 from controller.flow import FlowConfig
 from controller.journal import JournalConfig
 from controller.protections import ProtectionConfig
 from controller.recovery import RecoveryConfig
 from controller.scheduler import SchedulerConfig
 from controller.settings import FORBID_EXTRA, check_settings, check_thread_count, setting
+from controller.slo import SloConfig
 from controller.worker_state import DegradedConfig
 
 
@@ -203,6 +205,7 @@ class ControllerOptions:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     journal: JournalConfig = field(default_factory=JournalConfig)
+    slo: SloConfig = field(default_factory=SloConfig)
     step_cost: StepCost | None = None  # a budget table's: chunks sized per step
     itl_slo_s: float | None = None  # what step_cost sizes chunks for
     worker_cls: str = "workers.actor:WorkerActor"  # "module:Class" of the worker actor
@@ -211,21 +214,22 @@ class ControllerOptions:
     # the four fields above are then replaced by `with_budget_table`.
     auto_budget: AutoBudget | None = None
 
-    def with_budget_table(self, table: BudgetTable, fit: BudgetFit) -> ControllerOptions:
-        """These options running on `table`: its budget for the SLO, its cost model."""
-        step_cost = table.step_cost()
-        return replace(self, scheduler=budgeted_scheduler(self.scheduler, table, fit, self.cache),
-                       step_cost=step_cost,
-                       itl_slo_s=table.slo_ms(fit.itl_slo_ms) / 1e3, auto_budget=None)
+    def with_budget_table(self, table: BudgetTable,
+                          cal: CalibrationConfig) -> ControllerOptions:
+        """These options running on `table`: its budget for the SLO (planned with `cal`'s
+        limits), its cost model."""
+        scheduler = budgeted_scheduler(self.scheduler, table, cal, self.slo, self.cache)
+        return replace(self, scheduler=scheduler, step_cost=table.step_cost(),
+                       itl_slo_s=table.slo_ms(self.slo.itl_ms) / 1e3, auto_budget=None)
 
 
-def budgeted_scheduler(scheduler: SchedulerConfig, table: BudgetTable, fit: BudgetFit,
-                       cache: CacheConfig) -> SchedulerConfig:
-    """`scheduler` with the table's budget for `fit`'s SLO (the table wins), planned at
-    depth 0 unless `fit` names one (the cost model shrinks deeper chunks step by step)."""
-    context = 0 if fit.plan_context_tokens is None else fit.plan_context_tokens
+def budgeted_scheduler(scheduler: SchedulerConfig, table: BudgetTable, cal: CalibrationConfig,
+                       slo: SloConfig, cache: CacheConfig) -> SchedulerConfig:
+    """`scheduler` with the table's budget for the ITL SLO (the table wins), planned at
+    depth 0 unless `cal` names one (the cost model shrinks deeper chunks step by step)."""
+    context = 0 if cal.plan_context_tokens is None else cal.plan_context_tokens
     budget, _ = table.recommend(
-        table.slo_ms(fit.itl_slo_ms), block_size=cache.block_size,
+        table.slo_ms(slo.itl_ms), block_size=cache.block_size,
         kv_capacity_tokens=cache.num_kv_blocks * cache.block_size, context=context,
-        decodes=fit.plan_decodes)
+        decodes=cal.plan_decodes)
     return replace(scheduler, max_num_batched_tokens=budget)
