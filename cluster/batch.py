@@ -81,7 +81,10 @@ def run_local(lines: Iterable[str], out: TextIO, config: TokenflowConfig,
 
     # Streamed like the cluster runner: at most batch.max_in_flight requests in the engine
     # (its queue is bounded, and a long input must not be held in memory).
+    first_request_at: float | None = None
     for custom_id, prepared in read_items(lines, frontend, done_ids, out, counts):
+        if first_request_at is None:
+            first_request_at = time.perf_counter()
         while len(jobs) >= config.batch.max_in_flight:
             step()
         try:
@@ -94,6 +97,8 @@ def run_local(lines: Iterable[str], out: TextIO, config: TokenflowConfig,
         bar.add_total(1)
     while jobs:
         step()
+    if first_request_at is not None:
+        counts["generation_ms"] = round(1e3 * (time.perf_counter() - first_request_at))
     bar.close()
     engine.check_integrity()
     return counts

@@ -225,7 +225,19 @@ def summary(counts: dict[str, int], num_retried: int, elapsed_s: float) -> dict[
             "tokens_per_s": round(num_tokens / max(elapsed_s, 1e-9), 1),
             "startup_s": round(startup_s, 3),
             "tokens_per_s_after_startup": round(
-                num_tokens / max(elapsed_s - startup_s, 1e-9), 1)}
+                num_tokens / max(elapsed_s - startup_s, 1e-9), 1),
+            **_generation(counts)}
+
+
+def _generation(counts: dict[str, int]) -> dict[str, Any]:
+    """Seconds from the first request handed to the engine to the last answer written, and
+    the tokens/s over them: the generation rate alone, without start-up or input reading
+    before the first request (a runner that does not time it reports neither)."""
+    if "generation_ms" not in counts:
+        return {}
+    generation_s = counts["generation_ms"] / 1e3
+    return {"generation_s": round(generation_s, 3), "tokens_per_s_generating": round(
+        counts["completion_tokens"] / max(generation_s, 1e-9), 1)}
 
 
 class Progress:

@@ -99,6 +99,7 @@ async def _run(server: Any, lines: Iterator[str], out: TextIO, done_ids: set[str
     # `counts` and the bar are touched on the loop only.
     writer = ThreadPoolExecutor(1, thread_name_prefix="tokenflow-batch-out")
     loop = asyncio.get_running_loop()
+    first_request_at: float | None = None
 
     async def write(record: dict[str, Any]) -> None:
         await loop.run_in_executor(writer, write_line, out, record)
@@ -142,6 +143,8 @@ async def _run(server: Any, lines: Iterator[str], out: TextIO, done_ids: set[str
                     continue
                 assert custom_id is not None  # a line that parsed names its custom_id
                 await slots.acquire()  # bounded in flight: the next read waits for capacity
+                if first_request_at is None:
+                    first_request_at = time.perf_counter()
                 bar.add_total(1)
                 task = asyncio.create_task(run_one(custom_id, result))
                 tasks.add(task)  # finished tasks leave the set: memory stays bounded too
@@ -151,6 +154,8 @@ async def _run(server: Any, lines: Iterator[str], out: TextIO, done_ids: set[str
         await asyncio.gather(*tasks)
     finally:
         writer.shutdown(wait=True)  # every answer handed over is in `out`
+    if first_request_at is not None:
+        counts["generation_ms"] = round(1e3 * (time.perf_counter() - first_request_at))
     bar.close()
     return counts
 
