@@ -1,23 +1,27 @@
 """One offline engine for the peer benchmark (benchmarks/peer_bench.py), kept in its own
 process so both engines run one at a time on the same cores and each keeps its start-up.
 
-    python benchmarks/peer_offline.py --engine tokenflow|vllm|vllm-eager --model FOLDER
+    python benchmarks/peer_offline.py --engine tokenflow|batch|vllm|vllm-eager --model FOLDER
 
-Run with the project's venv for tokenflow and vLLM's own venv for vllm (this file imports
+Run with the project's venv for tokenflow and batch (a `ray job submit` per round on a Ray
+head of its own) and vLLM's own venv for vllm (this file imports
 neither the project nor vLLM at the top, so either interpreter can run it). Prints JSON
 lines: `{"event": "ready", "startup_s": ...}` once loaded, then one `{"event": "round",
 ...}` per `run` line read on stdin (32 prompts x 128 random ids, 64 greedy tokens each, EOS
-ignored: the same ids for every engine); `profile` (tokenflow) prints the step breakdown;
-`quit` ends it.
+ignored: the same ids for every engine); `profile` (tokenflow) prints the step breakdown
+and the GEMM rates; `quit` ends it.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import random
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 NUM_PROMPTS, PROMPT_LEN, OUTPUT_LEN = 32, 128, 64
@@ -30,6 +34,11 @@ def prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
             for _ in range(NUM_PROMPTS)]
 
 
+def digest(outputs: list[list[int]]) -> str:
+    """A fingerprint of all prompts' greedy outputs: equal digests, equal tokens."""
+    return hashlib.sha256(json.dumps(outputs).encode()).hexdigest()
+
+
 def emit(**fields: Any) -> None:
     print(json.dumps(fields), flush=True)
 
@@ -38,7 +47,9 @@ class TokenflowRunner:
     def __init__(self, model: str) -> None:
         from cluster.engine import LocalEngine
         from controller.messages import SamplingParams
+        from workers.presets import resolve_model
 
+        self.folder = str(resolve_model(model))
         self.engine = LocalEngine(worker={"model": model})
         self.params = SamplingParams(max_tokens=OUTPUT_LEN, temperature=0.0, ignore_eos=True)
         self.vocab_size = self.engine.worker.vocab_size
@@ -51,8 +62,56 @@ class TokenflowRunner:
 
     def profile(self, batch: list[list[int]]) -> dict[str, Any]:
         from benchmarks.peer_profile import offline_breakdown
+        from benchmarks.peer_roofline import measure_gemms
 
-        return offline_breakdown(self.engine, batch, self.params)
+        # The GEMM rates in this process: the engine's torch threads, the same load.
+        return {**offline_breakdown(self.engine, batch, self.params),
+                "gemm": measure_gemms(self.folder)}
+
+
+class BatchRunner:
+    """The `ray job submit` batch path (docs/batch.md's recipe): every round starts a Ray
+    head of its own (so that its idle daemons cost the other engines' rounds nothing),
+    writes the prompts as an OpenAI Batch file of token-id prompts, submits
+    `python -m cluster.batch` as a job that starts its own controller with the batch
+    profile's defaults, and stops the head. The job's summary times its start-up
+    (controller and model) apart from its generation (first request to last answer)."""
+
+    def __init__(self, model: str) -> None:
+        from workers.presets import resolve_model
+
+        self.model = str(resolve_model(model))
+        config = json.loads((Path(self.model) / "config.json").read_text())
+        self.vocab_size = int(config["vocab_size"])
+        self.budget: dict[str, Any] = {}
+        self.last: dict[str, Any] = {}
+
+    def run(self, batch: list[list[int]]) -> list[list[int]]:
+        from benchmarks.batch_bench import Head
+
+        with tempfile.TemporaryDirectory() as tmp:
+            inp, out = Path(tmp) / "requests.jsonl", Path(tmp) / "results.jsonl"
+            inp.write_text("".join(json.dumps(batch_line(i, ids, self.model)) + "\n"
+                                   for i, ids in enumerate(batch)))
+            t0 = time.perf_counter()
+            head = Head()
+            head_start_s = time.perf_counter() - t0
+            try:
+                head.submit(self.model, "-i", str(inp), "-o", str(out), "--no-progress")
+            finally:
+                head.stop()
+            job = json.loads(Path(f"{out}.summary.json").read_text())
+            by_id = {int(r["custom_id"]): r for r in map(json.loads, out.open())}
+        self.last = {"head_start_s": head_start_s, "job": job}
+        return [by_id[i]["response"]["body"]["choices"][0]["token_ids"]
+                for i in range(len(batch))]
+
+
+def batch_line(index: int, ids: list[int], model: str) -> dict[str, Any]:
+    """One OpenAI Batch request: token-id prompt, greedy, EOS ignored, ids returned."""
+    return {"custom_id": str(index), "method": "POST", "url": "/v1/completions",
+            "body": {"model": model, "prompt": ids, "max_tokens": OUTPUT_LEN,
+                     "temperature": 0, "ignore_eos": True, "return_token_ids": True}}
 
 
 class VllmRunner:
@@ -75,12 +134,14 @@ class VllmRunner:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--engine", choices=("tokenflow", "vllm", "vllm-eager"), required=True)
+    parser.add_argument("--engine", choices=("tokenflow", "batch", "vllm", "vllm-eager"),
+                        required=True)
     parser.add_argument("--model", required=True)
     args = parser.parse_args()
     start = time.perf_counter()
-    runner: Any = TokenflowRunner(args.model) if args.engine == "tokenflow" else \
-        VllmRunner(args.model, eager=args.engine == "vllm-eager")
+    runner: Any = (TokenflowRunner(args.model) if args.engine == "tokenflow" else
+                   BatchRunner(args.model) if args.engine == "batch" else
+                   VllmRunner(args.model, eager=args.engine == "vllm-eager"))
     emit(event="ready", startup_s=time.perf_counter() - start, **runner.budget)
     for line in sys.stdin:
         command, _, arg = line.strip().partition(" ")
@@ -92,8 +153,12 @@ def main() -> None:
             outputs = runner.run(batch)
             wall = time.perf_counter() - t0
             num = sum(len(o) for o in outputs)
-            emit(event="round", wall_s=wall, output_tokens=num, tok_s=num / wall,
-                 first_output=outputs[0])
+            extra = getattr(runner, "last", {})
+            # The batch job's round counts its generation only, as the engines' rounds do
+            # (their start-up is the ready event's); its start-up is reported beside it.
+            tok_s = extra["job"]["tokens_per_s_generating"] if extra else num / wall
+            emit(event="round", wall_s=wall, output_tokens=num, tok_s=tok_s,
+                 first_output=outputs[0], outputs_digest=digest(outputs), **extra)
         elif command == "profile":
             emit(event="profile", **runner.profile(batch))
         elif command == "quit":

@@ -10,8 +10,20 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.peer_bench import OFFLINE, ROOT, _agreement, targets
+from benchmarks.peer_bench import (
+    OFFLINE,
+    PY,
+    ROOT,
+    _agreement,
+    add_ratios,
+    batch_summary,
+    offline_specs,
+    targets,
+)
+from benchmarks.peer_offline import OUTPUT_LEN, batch_line, prompts
+from benchmarks.peer_roofline import roofline, workload_flops
 from benchmarks.peer_scene import _q, summarize
+from workers.presets import resolve_model
 
 
 def test_offline_driver_runs_tokenflow_rounds_and_profile(tmp_path: Path) -> None:
@@ -32,6 +44,96 @@ def test_offline_driver_runs_tokenflow_rounds_and_profile(tmp_path: Path) -> Non
     for part in ("ops_prefill_steps", "ops_decode_steps"):
         shares = profile[part]["share"]
         assert "gemm" in shares and 0 < sum(shares.values()) <= 1.0 + 1e-6
+    # The GEMM rates measured in the engine's process make a roofline over the workload.
+    gemm = profile["gemm"]
+    assert set(gemm["gflops"]) == {"qkv", "o", "gate_up", "down", "lm_head"}
+    assert all(rate > 0 for by_rows in gemm["gflops"].values()
+               for row in by_rows.values() for rate in row.values())
+    work = workload_flops(str(resolve_model("builtin:tiny")))
+    roof = roofline(gemm, work, {"tokenflow": {"tok_s": {"median": round_["tok_s"]}}})
+    assert roof["max_output_tok_s"] <= roof["max_output_tok_s_all_at_best_gflops"]
+    assert roof["engine_share_of_max"]["tokenflow"] == round_["tok_s"] / roof["max_output_tok_s"]
+
+
+def test_workload_flops_of_the_bench_shape() -> None:
+    work = workload_flops(str(resolve_model("builtin:bench")))
+    # hidden 512, 8/2 heads of 64, intermediate 1536, 8 layers, vocab 32000
+    layer_params = 8 * (512 * 768 + 512 * 512 + 512 * 3072 + 1536 * 512)
+    assert work["non_embedding_params"] == layer_params
+    assert work["prefill_tokens"] == 32 * 128 and work["decode_tokens"] == 32 * 63
+    flops = work["flops"]
+    assert flops["prefill_gemm"] == 2 * 4096 * layer_params
+    assert flops["decode_gemm"] == 2 * 2016 * layer_params
+    assert flops["lm_head"] == 2 * 2048 * 512 * 32000
+    assert 0 < flops["attention"] < 0.05 * work["total_flops"]  # small at these lengths
+
+
+def test_roofline_uses_the_rows_each_phase_can_have() -> None:
+    work = workload_flops(str(resolve_model("builtin:bench")))
+    # Decode-sized GEMMs at 10 GFLOP/s, prefill-sized ones at 40 (packed), lm_head at 20.
+    by_rows = {"32": {"plain": 10.0}, "128": {"plain": 30.0, "packed": 40.0},
+               "512": {"plain": 20.0}, "1024": {"plain": 20.0}}
+    gemm = {"gflops": {**{k: by_rows for k in ("qkv", "o", "gate_up", "down")},
+                       "lm_head": {"32": {"plain": 20.0}}}}
+    roof = roofline(gemm, work, {"a": {"tok_s": {"median": 50.0}}})
+    f = work["flops"]
+    assert roof["best_gemm_gflops"] == 40.0
+    assert roof["min_seconds"]["prefill_gemm"] == f["prefill_gemm"] / 40e9
+    assert roof["min_seconds"]["decode_gemm"] == f["decode_gemm"] / 10e9
+    assert roof["min_seconds"]["lm_head"] == f["lm_head"] / 20e9
+    assert roof["max_output_tok_s"] == 2048 / sum(roof["min_seconds"].values())
+    assert roof["max_output_tok_s_all_at_best_gflops"] == 2048 / (work["total_flops"] / 40e9)
+    assert roof["engine_share_of_max"]["a"] == 50.0 / roof["max_output_tok_s"]
+
+
+def test_batch_input_runs_through_the_batch_path(tmp_path: Path) -> None:
+    """The benchmark's batch file (token-id prompts, greedy, EOS ignored) through
+    `cluster.batch` (--local: the same reader, frontend and summary as a job, no Ray):
+    each answer returns its 64 token ids and the summary times the generation apart."""
+    batch = prompts(512)[:2]  # builtin:tiny's vocabulary
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps(batch_line(i, ids, "builtin:tiny")) + "\n"
+                           for i, ids in enumerate(batch)))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENFLOW_CACHE_DIR": str(tmp_path)}
+    subprocess.run([PY, "-m", "cluster.batch", "-i", str(inp), "-o", str(out), "--local",
+                    "--model", "builtin:tiny", "--no-progress"], env=env, cwd=ROOT,
+                   capture_output=True, timeout=600, check=True)
+    answers = {r["custom_id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    for i in range(2):
+        choice = answers[str(i)]["response"]["body"]["choices"][0]
+        assert len(choice["token_ids"]) == OUTPUT_LEN
+        assert choice["prompt_token_ids"] == batch[i]
+    summary = json.loads((tmp_path / "out.jsonl.summary.json").read_text())
+    assert summary["completion_tokens"] == 2 * OUTPUT_LEN
+    assert 0 < summary["generation_s"] <= summary["elapsed_s"] - summary["startup_s"]
+    assert summary["tokens_per_s_generating"] >= summary["tokens_per_s_after_startup"]
+
+
+def test_offline_specs_follow_the_flags() -> None:
+    names = [s[0] for s in offline_specs("vpy", eager=False, batch=True)]
+    assert names == ["tokenflow", "tokenflow_batch", "vllm_compiled"]
+    assert [s[0] for s in offline_specs("vpy", eager=True, batch=False, vllm=False)] == [
+        "tokenflow"]
+
+
+def test_batch_summary_and_ratio() -> None:
+    def round_(digest: str, first: list[int], **extra: object) -> dict[str, object]:
+        return {"outputs_digest": digest, "first_output": first, **extra}
+
+    job = {"startup_s": 10.0, "elapsed_s": 40.0, "tokens_per_s": 50.0}
+    batch = [round_("a", [1, 2, 3], head_start_s=5.0, job=job),
+             round_("x", [1, 2, 3], head_start_s=7.0, job={**job, "startup_s": 12.0})]
+    local = [round_("a", [1, 2, 4]), round_("b", [1, 2, 3])]
+    s = batch_summary(batch, local)
+    assert s["rounds_all_outputs_equal_to_tokenflow"] == 1
+    assert s["greedy_tokens_agreeing_with_tokenflow"] == 2
+    assert s["startup_s_rounds"] == [15.0, 19.0] and s["job_startup_s"]["max"] == 12.0
+    out = {"engines": {"tokenflow": {"tok_s": {"median": 60.0}, "startup_s": 5.0},
+                       "tokenflow_batch": {"tok_s": {"median": 90.0}},
+                       "vllm_compiled": {"tok_s": {"median": 100.0}, "startup_s": 50.0}}}
+    add_ratios(out)
+    assert out["ratio_vs_vllm_compiled"] == 0.6 and out["batch_ratio_vs_vllm_compiled"] == 0.9
+    assert out["startup_ratio_vs_vllm_compiled"] == 0.1
 
 
 def test_agreement_counts_the_leading_equal_tokens() -> None:
@@ -48,13 +150,18 @@ def test_summaries_skip_missing_values() -> None:
 def test_targets_follow_the_numbers() -> None:
     report = {
         "offline": [{"model": "builtin:bench", "ratio_vs_vllm_compiled": 1.31,
-                     "startup_ratio_vs_vllm_compiled": 0.3}],
+                     "startup_ratio_vs_vllm_compiled": 0.3, "batch_ratio_vs_vllm_compiled": 0.9},
+                    {"model": "builtin:small", "ratio_vs_vllm_compiled": 1.0,
+                     "batch_ratio_vs_vllm_compiled": 2.0},
+                    {"model": "builtin:tiny"}],  # a run without vLLM: no verdicts
         "served": {"ratios": {"window_gap_p99_vs_vllm": 0.05, "long_ttft_vs_vllm": 1.5,
                               "short_ttft_vs_vllm": 0.1, "short_ttft_in_tokenflow_steps": 1.5,
                               "users_tok_s_vs_vllm": 0.9, "ready_vs_vllm": None}}}
     t = targets(report)
     assert t["offline_bench_vs_vllm_compiled>=1.3"]["met"]
     assert not t["offline_bench_startup_ratio_vs_vllm_compiled<=0.25"]["met"]
+    assert t["offline_batch_bench_vs_vllm_compiled>=1.0"] == {"value": 0.9, "met": False}
+    assert not any("batch_small" in k or "tiny" in k for k in t)  # asked of bench only
     assert t["served_window_gap_p99_vs_vllm<=0.3"]["met"]
     assert not t["served_long_ttft_vs_vllm<=1.2"]["met"]
     assert not t["served_users_tok_s_vs_vllm>=1.0"]["met"]
