@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from workers.attention import AttentionStep, KVCache
 from workers.model_config import ModelConfig, RopeConfig
-from workers.models.packed import PackedLinear, maybe_pack
+from workers.models.packed import maybe_pack
 from workers.sections import PackPolicy
 
 
@@ -125,28 +125,22 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    # gate/up stay two GEMMs on the plain path: one [hidden, 2*inter] GEMM was no faster
-    # than two there, and its strided halves made the SiLU and product passes slower. The
-    # packed path (`pack`) fuses them: one packed call saves a whole call's overhead.
+    # gate/up are deliberately NOT fused like q/k/v: measured on CPU, one [hidden, 2*inter]
+    # GEMM was no faster than two (plain or packed), and its strided halves made the SiLU
+    # and product passes slower.
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         h, i, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
         self.gate_proj = nn.Linear(h, i, bias=bias)
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
-        self.gate_up: nn.Module | None = None  # set by `pack`: [T, hidden] -> [T, 2*inter]
 
     def pack(self, policy: PackPolicy) -> None:
-        gate_up = maybe_pack(_fuse_linears(self.gate_proj, self.up_proj), policy)
-        if isinstance(gate_up, PackedLinear):
-            self.gate_up = gate_up
-            del self.gate_proj, self.up_proj
+        self.gate_proj = maybe_pack(self.gate_proj, policy)
+        self.up_proj = maybe_pack(self.up_proj, policy)
         self.down_proj = maybe_pack(self.down_proj, policy)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.gate_up is not None:
-            gate, up = self.gate_up(x).chunk(2, dim=-1)  # [T, inter] each
-            return self.down_proj(F.silu(gate).mul_(up))
         # silu's output is a fresh temporary, so the product can be taken in place.
         return self.down_proj(F.silu(self.gate_proj(x)).mul_(self.up_proj(x)))  # [T, hidden]
 
