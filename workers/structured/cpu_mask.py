@@ -37,8 +37,11 @@ def apply_bitmask(logits: np.ndarray, bitmask: np.ndarray, rows: list[int]) -> N
         logits[row_ids[i], num_bits:] = -np.inf
     visit[is_scattered] = 0
     flat_words = np.flatnonzero(visit)
-    bits = np.unpackbits(np.ascontiguousarray(visit.reshape(-1)[flat_words]).view(np.uint8)
-                         .reshape(-1, 4), axis=1, bitorder="little")  # [K, 32]
+    bits = np.unpackbits(
+        np.ascontiguousarray(visit.reshape(-1)[flat_words]).view(np.uint8).reshape(-1, 4),
+        axis=1,
+        bitorder="little",
+    )  # [K, 32]
     word_index, bit = np.nonzero(bits)
     flat_word = flat_words[word_index]
     row = flat_word // num_words
