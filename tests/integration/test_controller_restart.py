@@ -134,9 +134,26 @@ WITH_LOGPROBS = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, 
 LOGPROB_TOLERANCE = 1e-4
 
 
+class LateClient(RayControllerClient):
+    """Resumes its streams only once the restarted controller has run every resumed request
+    to its end: their tokens (the journaled ones and all recomputed after them) wait
+    unclaimed, and come back in one output with their log-probabilities."""
+
+    async def _resume(self, subscriber: str, request_ids: list[str]) -> None:
+        deadline = asyncio.get_running_loop().time() + 120
+        while True:  # a condition on the restarted controller, polled
+            stats = await self.handle.stats.remote()
+            if stats["num_unclaimed"] and \
+                    stats["num_unclaimed_finished"] == stats["num_unclaimed"]:
+                break
+            assert asyncio.get_running_loop().time() < deadline, stats
+            await asyncio.sleep(0.05)
+        await super()._resume(subscriber, request_ids)
+
+
 def test_logprobs_survive_a_controller_kill(controller) -> None:
     async def scenario() -> None:
-        client = RayControllerClient(controller)
+        client = LateClient(controller)
         reference = await run_streams(client, PROMPTS[:8], WITH_LOGPROBS, "lref")
         disturbed = await run_streams(client, PROMPTS[:8], WITH_LOGPROBS, "lkill",
                                       kill=lambda: _kill_controller(controller))
