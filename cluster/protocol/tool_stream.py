@@ -190,6 +190,9 @@ class ToolCallStream:
             return content, []
         calls = self._hermes_calls(text, calls_start, names) if hermes >= 0 \
             else read_calls(text, calls_start, names)[0]
+        closed = text.rfind(_HERMES_CLOSE)
+        if hermes >= 0 and is_final and closed >= 0:  # text after the last block, at the end
+            content += text[closed + len(_HERMES_CLOSE) :].strip()
         return content if content.strip() else "", self._deltas(text, calls, is_final)
 
     def _hermes_calls(self, text: str, start: int, names: list[str]) -> list[_CallText]:

@@ -136,7 +136,7 @@ def test_required_grammar_lists_each_function() -> None:
 STREAMED = [
     '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',
     'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n'
-    '</tool_call>\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>',
+    '</tool_call>\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call> Done.',
     '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Ro\\"me"}}]',
     '[{"name": "get_time", "arguments": "{}"}, {"name": "get_time", "arguments": {}}]',
     '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo", "n": [1, 2]}}',
@@ -173,7 +173,7 @@ def test_streamed_calls_reassemble_to_the_parsed_ones(text: str, step: int) -> N
     assert [(c["name"], json.loads(c["arguments"])) for c in got] == \
         [(c.name, json.loads(c.arguments)) for c in calls]
     assert all(c["id"].startswith("call_") for c in got)
-    assert (got_content.strip() or None) == (content.strip() if content else None)
+    assert got_content.split() == (content or "").split()  # the same words
 
 
 def test_streamed_calls_announce_a_call_before_its_arguments_end() -> None:
