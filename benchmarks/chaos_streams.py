@@ -10,10 +10,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cluster.controller_client import RayControllerClient
-from controller.messages import SamplingParams
+from controller.messages import SamplingParams, TokenLogprob
 
 
 @dataclass
@@ -22,6 +22,8 @@ class StreamResult:
     finish_reason: str | None
     error: str | None
     longest_wait_s: float
+    # One per token when the params ask; None once a delta with tokens came without them.
+    logprobs: list[TokenLogprob] | None = field(default_factory=list)
 
 
 async def stream(client: RayControllerClient, prompt: list[int], params: SamplingParams,
@@ -30,17 +32,22 @@ async def stream(client: RayControllerClient, prompt: list[int], params: Samplin
     """One request to its end; `on_started` once it has 2 tokens."""
     _, deltas = await client.submit(prompt, params, request_id, 0, "default")
     tokens: list[int] = []
+    logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
     finish, error = None, None
     last, longest_wait = time.monotonic(), 0.0
     async for delta in deltas:
         now = time.monotonic()
         longest_wait, last = max(longest_wait, now - last), now
         tokens.extend(delta.token_ids)
+        if logprobs is not None and delta.token_ids:
+            if delta.logprobs is None or len(delta.logprobs) != len(delta.token_ids):
+                raise AssertionError(f"{request_id}: a delta's tokens without log-probabilities")
+            logprobs.extend(delta.logprobs)
         finish = delta.finish_reason or finish
         error = delta.error or error
         if on_started is not None and len(tokens) >= 2 > len(tokens) - len(delta.token_ids):
             on_started()
-    return StreamResult(tokens, finish, error, longest_wait)
+    return StreamResult(tokens, finish, error, longest_wait, logprobs)
 
 
 async def run_streams(client: RayControllerClient, prompts: list[list[int]],

@@ -155,8 +155,12 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     }
     _round(engines, prompts, kinds)  # warm-up: compile, allocate
     pairs: list[dict[str, float]] = []
+    round_overheads = []
     for _ in range(num_rounds):
-        pairs += _round(engines, prompts, kinds)
+        round_pairs = _round(engines, prompts, kinds)
+        pairs += round_pairs
+        round_overheads.append(statistics.median(
+            p["json_schema"] / p["unconstrained"] for p in round_pairs) - 1)
     ratios = [p["json_schema"] / p["unconstrained"] for p in pairs]
     med = {name: statistics.median(p[name] for p in pairs) for name in kinds}
     return {
@@ -167,6 +171,7 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
         "num_step_pairs": len(pairs),
         "mask_overhead": statistics.median(ratios) - 1,
         "mask_overhead_quartiles": [r - 1 for r in _quartiles(ratios)],
+        "mask_overhead_per_round": round_overheads,
         "mask_overhead_goal": 0.10,
         "mask_only_ms_per_step": _mask_ms(10 if quick else 60),
         "compile": _compile_times(3 if quick else 10),

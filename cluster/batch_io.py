@@ -306,10 +306,6 @@ def prepare_line(line: str, frontend: Frontend
     try:
         item = p.parse_batch_line(line)
         prepared = frontend.prepare(item.url, item.body)
-        if prepared.request.num_choices > 1:  # the batch runners run one sequence a line
-            param = "n" if (prepared.request.n or 1) > 1 else "best_of"
-            raise p.ProtocolError(400, f"'{param}' must be 1 in a batch line: write one line "
-                                  f"per sample (each with its own seed)", param=param)
         return item.custom_id, prepared
     except p.ProtocolError as err:
         return _custom_id_of(line), err

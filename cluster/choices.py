@@ -16,10 +16,10 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from cluster import protocol as p
-from cluster.answers import advance, collect, failed_message
+from cluster.answers import collect, failed_message
+from cluster.chunks import ChoiceChunks
 from cluster.controller_client import ControllerClient
-from cluster.frontend import Frontend, Prepared, TextStream, openai_finish_reason
-from cluster.protocol.logprobs import LogprobsFormatter
+from cluster.frontend import Frontend, Prepared, TextStream
 from cluster.protocol.responses import _usage
 from controller.choices import choice_params, choice_request_id
 from controller.messages import Delta, FinishReason
@@ -83,12 +83,9 @@ async def sse_choices(frontend: Frontend, prepared: Prepared, request_id: str,
                       choices: list[Choice], abort: Callable[[str], None]
                       ) -> AsyncIterator[bytes]:
     """The SSE stream of `n` choices (not best_of: refused with stream): each chunk is one
-    choice's delta under its `index`, in the order the deltas arrive, each advanced as
-    one request's are (cluster/answers.py)."""
-    req = prepared.request
+    choice's delta under its `index`, in the order the deltas arrive, each built as one
+    request's are (cluster/chunks.py)."""
     head = p.Head(request_id, frontend.config.worker.model_name, int(time.time()))
-    chat = prepared.is_chat
-    include_usage = req.include_usage
     queue: asyncio.Queue[tuple[int, Delta]] = asyncio.Queue()
 
     async def pump(index: int, deltas: AsyncIterator[Delta]) -> None:
@@ -101,52 +98,29 @@ async def sse_choices(frontend: Frontend, prepared: Prepared, request_id: str,
             await queue.put((index, Delta.failed(choices[index][0], repr(err))))
 
     tasks = [asyncio.create_task(pump(i, deltas)) for i, (_, deltas) in enumerate(choices)]
-    texts = [frontend.text_stream(prepared) for _ in choices]
-    formatters = [LogprobsFormatter(frontend.token_text) for _ in choices]
-    num_sent = [0] * len(choices)
-    echoes = [frontend.echo_text(prepared)] * len(choices)
+    streams = [ChoiceChunks(frontend, prepared, head, index) for index in range(len(choices))]
     unfinished = set(range(len(choices)))
     try:
-        if chat:
-            for index in range(len(choices)):
-                chunk = p.chat_completion_chunk(head, first=True,
-                                                include_usage=include_usage)
-                chunk["choices"][0]["index"] = index
-                yield p.sse(chunk)
+        if prepared.is_chat:
+            for stream in streams:
+                yield p.sse(stream.opening())
         while unfinished:
             index, delta = await queue.get()
-            rid, text = choices[index][0], texts[index]
+            rid = choices[index][0]
             if delta.error:
                 logger.warning("request %s failed: %s", rid, delta.error)
                 yield p.sse(p.error_body(p.ProtocolError(
                     503, failed_message(delta.error, request_id), code="request_failed")))
                 break
-            piece, reason = await advance(frontend, text, delta, lambda r=rid: abort(r))
+            chunks, reason = await streams[index].on_delta(delta, lambda r=rid: abort(r))
             if reason is not None:
-                reason = openai_finish_reason(text, reason)
                 unfinished.discard(index)
-            logprobs = frontend.logprobs_body(
-                prepared, formatters[index], text.logprobs[num_sent[index]:],
-                text.prompt_logprobs if echoes[index] else None, len(echoes[index]))
-            num_sent[index] = len(text.logprobs)
-            if echoes[index]:
-                piece, echoes[index] = echoes[index] + piece, ""
-            ids = delta.token_ids if req.return_token_ids else None
-            if not (piece or ids or reason is not None or logprobs):
-                continue
-            if chat:
-                chunk = p.chat_completion_chunk(head, piece or None,
-                                                reason, token_ids=ids,
-                                                include_usage=include_usage)
-            else:
-                chunk = p.completion_chunk(head, piece, reason,
-                                           token_ids=ids, include_usage=include_usage)
-            chunk["choices"][0]["index"] = index
-            chunk["choices"][0]["logprobs"] = logprobs
-            yield p.sse(chunk)
-        if include_usage and not unfinished:
+            for chunk in chunks:
+                yield p.sse(chunk)
+        if prepared.request.include_usage and not unfinished:
             yield p.sse(p.usage_chunk(head, len(prepared.prompt_token_ids),
-                                      sum(len(t.token_ids) for t in texts), chat=chat))
+                                      sum(len(s.text.token_ids) for s in streams),
+                                      chat=prepared.is_chat))
         if not unfinished:
             yield p.SSE_DONE
     finally:

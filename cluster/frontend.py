@@ -295,18 +295,6 @@ class Frontend:
             stream.prompt_logprobs if echo else None, len(echo))
         return body
 
-    def tool_stream_end(self, plan: ToolPlan, text: str, reason: FinishReason | None
-                        ) -> tuple[str | None, list[dict] | None, str | None]:
-        """A streamed answer with tools is held back (calls are parsed from the whole
-        text) and sent at its end: (content, streamed tool_calls deltas, finish reason)."""
-        content, calls, failed = parse_tool_calls(text, plan)
-        self.num_tool_parse_failures += failed
-        if not calls:
-            return text or None, None, reason
-        if reason == FinishReason.STOP and not plan.is_named:
-            reason = "tool_calls"
-        return content, openai_tool_calls(calls, streamed=True), reason
-
     def _put_tool_calls(self, body: dict, plan: ToolPlan, text: str) -> None:
         """The message's text as OpenAI tool calls, when it holds some."""
         content, calls, failed = parse_tool_calls(text, plan)

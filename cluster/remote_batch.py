@@ -162,20 +162,21 @@ async def _run(server: Any, lines: Iterator[str], out: TextIO, done_ids: set[str
 
 async def _generate(server: Any, frontend: Frontend, prepared: Prepared) -> dict[str, Any]:
     """One request to its OpenAI response body; ProtocolError for a refused or failed one."""
-    from cluster.answers import collect
+    from cluster.choices import choices_body, collect_choices, submit_choices
 
     client = server.client
     request_id = p.new_chat_completion_id() if prepared.is_chat else p.new_completion_id()
     while True:
-        try:
-            _, deltas = await client.submit(prepared.prompt_token_ids, prepared.params,
-                                            request_id, prepared.priority, "batch")
+        try:  # every choice (`n`, `best_of`), or none: a refusal aborts those admitted
+            choices = await submit_choices(client, prepared, request_id, "batch")
             break
         except (QueueFullError, NoWorkerUpError):  # 429 / 503: retry after the advised wait
             await asyncio.sleep(max(server.config.cluster.retry_after_s, 0.1))
         except ValueError as err:
             raise p.ProtocolError(400, str(err)) from None
-    text, reason, error = await collect(frontend, prepared, request_id, deltas, client.abort)
+    results, error = await collect_choices(frontend, prepared, choices, client.abort)
     if error is not None:
         raise p.ProtocolError(503, error)
-    return frontend.response(prepared, request_id, text, reason)
+    if len(results) == 1:
+        return frontend.response(prepared, request_id, *results[0])
+    return choices_body(frontend, prepared, request_id, results)

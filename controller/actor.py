@@ -243,6 +243,8 @@ class ControllerActor:
                 "num_resumed": self.resumer.num_resumed,
                 "num_resumed_streams": self.resumer.num_resumed_streams,
                 "num_unclaimed": len(self.resumer.unclaimed),
+                "num_unclaimed_finished": sum(1 for u in self.resumer.unclaimed.values()
+                                              if u.last is not None and u.last.finished),
                 "num_streams": len(self.streams.subscriber_of),
                 "num_subscribers": len(self.streams.subscribers), "num_aborted": self.num_aborted,
                 "num_unfinished": len(self.core.request_to_worker) if self.core else 0}

@@ -5,6 +5,8 @@ Per admitted request (`{prefix}` is `JournalConfig.key_prefix`):
   token ids, sampling params with their seed, tenant, priority, arrival), `num_chunks`,
   and once finished `finish_reason` / `error`.
 - `{prefix}tokens:{id}`: the generated token ids, a list appended to every step.
+- `{prefix}logprobs:{id}`: with `logprobs` asked, each token's log-probabilities (JSON), in
+  step with the tokens.
 - `{prefix}prefill:{id}:chunk_{n}`: prefill chunk n's progress, `{"start", "num_tokens"}`.
 - `{prefix}requests:unfinished`: the set of ids still running, what a restart reads.
 A finished request's keys expire after `finished_ttl_s`.
@@ -31,7 +33,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from controller.backoff import Backoff
-from controller.journal_records import JournalConfig, JournalRecord, JournalStats
+from controller.journal_records import JournalConfig, JournalRecord, JournalStats, encode_logprob
 from controller.messages import ChunkComplete, RequestOutput
 from controller.request import Request
 
@@ -71,6 +73,7 @@ class Journal:
         # written after the buffered ops (only a finish must follow its request's tokens,
         # and pushing a finish pushes them first).
         self._step_tokens: dict[str, list[int]] = {}
+        self._step_logprobs: dict[str, list[str]] = {}  # the same, encoded, when asked
         # Set while paused or after an overflow: the next write is a full catch-up, so
         # nothing is buffered meanwhile; finishes are remembered to expire their keys.
         self._needs_catch_up = False
@@ -112,6 +115,11 @@ class Journal:
         with self._cond:
             for record in records:
                 self._records[record.request_id] = record
+                if record.output_logprobs is not None:
+                    # Its two lists, cut to the shorter on reading, are appended from here.
+                    self._push(("admit", record.request_id, record.static_json()))
+                    self._push(("tokens", record.request_id, list(record.output_token_ids),
+                                [encode_logprob(e) for e in record.output_logprobs]))
 
     def record_output(self, out: RequestOutput) -> None:
         self.record_outputs([out])
@@ -133,6 +141,10 @@ class Journal:
                         step_tokens[out.request_id] = list(out.new_token_ids)
                     else:
                         ids.extend(out.new_token_ids)
+                    if record.output_logprobs is not None and out.logprobs is not None:
+                        record.output_logprobs.extend(out.logprobs)
+                        self._step_logprobs.setdefault(out.request_id, []).extend(
+                            encode_logprob(entry) for entry in out.logprobs)
                 if out.finish_reason is not None:
                     del records[out.request_id]
                     self._push_step_tokens()  # its tokens before its finish
@@ -159,8 +171,8 @@ class Journal:
 
     def _push_step_tokens(self) -> None:
         if self._step_tokens:
-            self._push(("step_tokens", "", self._step_tokens))
-            self._step_tokens = {}
+            self._push(("step_tokens", "", self._step_tokens, self._step_logprobs))
+            self._step_tokens, self._step_logprobs = {}, {}
 
     def _push(self, op: _Op) -> None:
         if self._needs_catch_up:
@@ -204,7 +216,8 @@ class Journal:
                 if is_catch_up:
                     # Atomic with the producers: ops pushed after this go on top of it.
                     ops = self._catch_up_ops()
-                    self._step_tokens = {}  # already in the mirror the catch-up writes
+                    # already in the mirror the catch-up writes
+                    self._step_tokens, self._step_logprobs = {}, {}
                     self._needs_catch_up = False
                     self._finished_meanwhile = {}
                 else:
@@ -251,7 +264,8 @@ class Journal:
         ops: list[_Op] = []
         for record in self._records.values():
             ops.append(("admit", record.request_id, record.static_json()))
-            ops.append(("tokens", record.request_id, list(record.output_token_ids)))
+            ops.append(("tokens", record.request_id, list(record.output_token_ids),
+                        [encode_logprob(e) for e in record.output_logprobs or ()]))
             ops.extend(("chunk", record.request_id, n, start, num)
                        for n, (start, num) in record.chunks.items())
         ops.extend(("finish", rid, *finish) for rid, finish in self._finished_meanwhile.items())
@@ -265,30 +279,34 @@ class Journal:
         # interpreter time (packing, parsing) than the round trip itself, and that time is
         # taken from the step loop.
         request_to_tokens: dict[str, list[int]] = {}
+        request_to_logprobs: dict[str, list[str]] = {}  # the same script, another list
 
         def push_tokens() -> None:
-            if request_to_tokens:
-                pipe.eval(_APPEND_TOKENS, 0, self._key("tokens", ""),
-                          json.dumps(request_to_tokens))
-                request_to_tokens.clear()
+            for kind, new in (("tokens", request_to_tokens), ("logprobs", request_to_logprobs)):
+                if new:
+                    pipe.eval(_APPEND_TOKENS, 0, self._key(kind, ""), json.dumps(new))
+                    new.clear()
 
         for op in ops:
             kind, request_id = op[0], op[1]
             if kind == "tokens":
                 request_to_tokens.setdefault(request_id, []).extend(op[2])
+                if op[3]:
+                    request_to_logprobs.setdefault(request_id, []).extend(op[3])
                 continue
             if kind == "step_tokens":
-                if not request_to_tokens:  # the usual case: one merged dict per write
-                    request_to_tokens.update(op[2])
-                    continue
-                for rid, ids in op[2].items():
-                    request_to_tokens.setdefault(rid, []).extend(ids)
+                for merged, new in ((request_to_tokens, op[2]), (request_to_logprobs, op[3])):
+                    if not merged:  # the usual case: one merged dict per write
+                        merged.update(new)
+                        continue
+                    for rid, items in new.items():
+                        merged.setdefault(rid, []).extend(items)
                 continue
-            if request_id in request_to_tokens:
+            if request_id in request_to_tokens or request_id in request_to_logprobs:
                 push_tokens()  # keep each request's commands in order
             if kind == "admit":  # also the catch-up of a request: its tokens follow
                 pipe.hset(self._key("request", request_id), "record", op[2])
-                pipe.delete(self._key("tokens", request_id))
+                pipe.delete(self._key("tokens", request_id), self._key("logprobs", request_id))
                 pipe.sadd(self.unfinished_key, request_id)
             elif kind == "chunk":
                 pipe.set(self.chunk_key(request_id, op[2]),
@@ -301,6 +319,7 @@ class Journal:
                     pipe.hset(self._key("request", request_id), "error", error)
                 pipe.srem(self.unfinished_key, request_id)
                 for key in (self._key("request", request_id), self._key("tokens", request_id),
+                            self._key("logprobs", request_id),
                             *(self.chunk_key(request_id, n) for n in range(num_chunks))):
                     pipe.expire(key, ttl)
         push_tokens()
@@ -323,26 +342,28 @@ class Journal:
         for request_id in ids:
             pipe.hgetall(self._key("request", request_id))
             pipe.lrange(self._key("tokens", request_id), 0, -1)
+            pipe.lrange(self._key("logprobs", request_id), 0, -1)
         replies = pipe.execute()
-        found: list[tuple[str, dict[str, str], list[str]]] = []
+        found: list[tuple[str, dict[str, str], list[str], list[str]]] = []
         for i, request_id in enumerate(ids):
-            fields, tokens = replies[2 * i], replies[2 * i + 1]
+            fields, tokens, logprobs = replies[3 * i : 3 * i + 3]
             if "record" in fields and "finish_reason" not in fields:
-                found.append((request_id, fields, tokens))
+                found.append((request_id, fields, tokens, logprobs))
         pipe = self.redis.pipeline(transaction=False)
-        for request_id, fields, _ in found:
+        for request_id, fields, *_ in found:
             for n in range(int(fields.get("num_chunks", 0))):
                 pipe.get(self.chunk_key(request_id, n))
         chunk_values = iter(pipe.execute())
         records = []
-        for request_id, fields, tokens in found:
+        for request_id, fields, tokens, logprobs in found:
             chunks = {}
             for n in range(int(fields.get("num_chunks", 0))):
                 value = next(chunk_values)
                 if value is not None:
                     chunk = json.loads(value)
                     chunks[n] = (chunk["start"], chunk["num_tokens"])
-            records.append(JournalRecord.from_redis(request_id, fields, tokens, chunks))
+            records.append(JournalRecord.from_redis(request_id, fields, tokens, chunks,
+                                                    logprobs))
         return sorted(records, key=lambda r: r.arrival_time)
 
     # -- state --------------------------------------------------------------------------------

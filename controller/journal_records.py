@@ -8,7 +8,7 @@ import json
 import time
 from dataclasses import dataclass, field
 
-from controller.messages import SamplingParams
+from controller.messages import SamplingParams, TokenLogprob
 from controller.request import Request
 from controller.settings import FORBID_EXTRA, check_settings, setting
 
@@ -65,12 +65,17 @@ class JournalRecord:
     chunks: dict[int, tuple[int, int]] = field(default_factory=dict)
     finish_reason: str | None = None
     error: str | None = None
+    # One per output token when the params ask for log-probabilities (else None): a
+    # consumer resumed after a restart gets the journaled tokens with theirs.
+    output_logprobs: list[TokenLogprob] | None = None
 
     @classmethod
     def of(cls, request: Request) -> JournalRecord:
+        """At admission: no output yet."""
+        wants = request.sampling_params.logprobs is not None
         return cls(request.request_id, list(request.prompt_token_ids), request.sampling_params,
                    request.tenant, request.priority, time.time(),
-                   list(request.output_token_ids))
+                   output_logprobs=[] if wants else None)
 
     def static_json(self) -> str:
         """What never changes after admission."""
@@ -81,15 +86,33 @@ class JournalRecord:
 
     @classmethod
     def from_redis(cls, request_id: str, fields: dict[str, str], tokens: list[str],
-                   chunks: dict[int, tuple[int, int]]) -> JournalRecord:
+                   chunks: dict[int, tuple[int, int]], logprobs: list[str]) -> JournalRecord:
         static = json.loads(fields["record"])
         params = static["params"]
         for name in ("stop_token_ids", "stop"):
             params[name] = tuple(params[name])
+        output_ids = [int(t) for t in tokens]
+        output_logprobs = None
+        if params["logprobs"] is not None:
+            # The two lists are written in one pipeline, not atomically: tokens past the
+            # shorter one are recomputed on resume, with their log-probabilities.
+            output_logprobs = [decode_logprob(entry) for entry in logprobs]
+            num_both = min(len(output_ids), len(output_logprobs))
+            output_ids, output_logprobs = output_ids[:num_both], output_logprobs[:num_both]
         return cls(request_id, static["prompt_token_ids"], SamplingParams(**params),
                    static["tenant"], static["priority"], static["arrival_time"],
-                   [int(t) for t in tokens], chunks, fields.get("finish_reason"),
-                   fields.get("error"))
+                   output_ids, chunks, fields.get("finish_reason"), fields.get("error"),
+                   output_logprobs)
+
+
+def encode_logprob(entry: TokenLogprob) -> str:
+    """JSON floats round-trip exactly: a resumed consumer gets the values it would have."""
+    return json.dumps([entry.token_id, entry.logprob, entry.top_ids, entry.top_logprobs])
+
+
+def decode_logprob(text: str) -> TokenLogprob:
+    token_id, logprob, top_ids, top_logprobs = json.loads(text)
+    return TokenLogprob(token_id, logprob, tuple(top_ids), tuple(top_logprobs))
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from controller.core import ControllerCore
 from controller.journal import Journal, JournalRecord
-from controller.messages import RequestOutput, StepResult
+from controller.messages import RequestOutput, StepResult, TokenLogprob
 from controller.options import ControllerOptions
 from controller.request import Request, RequestStatus
 from controller.routing import NoWorkerUpError
@@ -31,7 +31,9 @@ class _Unclaimed:
 
     num_prompt_tokens: int
     token_ids: list[int]
+    logprobs: list[TokenLogprob] | None  # one per token when the params ask
     last: RequestOutput | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None  # echo's, recomputed meanwhile
 
 
 class Resume:
@@ -46,6 +48,9 @@ class Resume:
         # request id -> tokens its consumer already has beyond what the journal held (the
         # recomputation produces them again; they are not sent twice)
         self.num_to_skip: dict[str, int] = {}
+        # Resumed echo requests whose consumer had a token, so their prompt's
+        # log-probabilities (recomputed with the prompt) are not sent twice.
+        self.has_prompt_logprobs: set[str] = set()
 
     async def open_journal(self) -> list[JournalRecord]:
         """Start the journal (when Redis is configured) and read back what an earlier
@@ -74,7 +79,9 @@ class Resume:
                               arrival_time=core.clock(), tenant=record.tenant,
                               max_model_len=core.max_model_len,
                               output_token_ids=list(record.output_token_ids))
-            unclaimed = _Unclaimed(request.num_prompt_tokens, list(record.output_token_ids))
+            logprobs = record.output_logprobs
+            unclaimed = _Unclaimed(request.num_prompt_tokens, list(record.output_token_ids),
+                                   None if logprobs is None else list(logprobs))
             self.unclaimed[record.request_id] = unclaimed
             status = request.check_stop() if request.output_token_ids else None
             error = None
@@ -121,8 +128,17 @@ class Resume:
         unclaimed = self.unclaimed.get(request_id)
         if unclaimed is not None:  # resumed from the journal, its consumer not back yet
             unclaimed.token_ids.extend(out.new_token_ids)
+            if unclaimed.logprobs is not None and out.logprobs is not None:
+                unclaimed.logprobs.extend(out.logprobs)
+            if out.prompt_logprobs:
+                unclaimed.prompt_logprobs = (unclaimed.prompt_logprobs or []) \
+                    + out.prompt_logprobs
             unclaimed.last = out
             return None
+        if out.prompt_logprobs and request_id in self.has_prompt_logprobs:
+            out = dataclasses.replace(out, prompt_logprobs=None)  # recomputed, not news
+        if out.finished:
+            self.has_prompt_logprobs.discard(request_id)
         num_to_skip = self.num_to_skip.pop(request_id, 0)
         if num_to_skip:  # recomputed tokens the consumer had before the restart
             num_skipped = min(num_to_skip, len(out.new_token_ids))

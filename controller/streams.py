@@ -99,12 +99,18 @@ class Streams:
             return False
         self.resume.num_resumed_streams += 1
         tokens, last = unclaimed.token_ids, unclaimed.last
+        logprobs = unclaimed.logprobs
         out = RequestOutput(request_id, tokens[num_delivered:],
                             last.finish_reason if last else None,
                             unclaimed.num_prompt_tokens, len(tokens),
                             last.num_cached_tokens if last else 0,
-                            last.error if last else None)
+                            last.error if last else None,
+                            None if logprobs is None else logprobs[num_delivered:],
+                            # echo's came with the first token: a consumer with one has them
+                            unclaimed.prompt_logprobs if num_delivered == 0 else None)
         sub.add(request_id, core.request_to_worker.get(request_id, -1))
+        if num_delivered > 0 and not out.finished:
+            self.resume.has_prompt_logprobs.add(request_id)
         if num_delivered > len(tokens) and not out.finished:  # else nothing would pop it
             self.resume.num_to_skip[request_id] = num_delivered - len(tokens)
         if not out.finished:

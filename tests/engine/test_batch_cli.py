@@ -119,3 +119,52 @@ def test_batch_lines_take_output_constraints(tmp_path):
     assert by_id["choice"]["body"]["choices"][0]["text"] in ("yes", "no")
     assert by_id["bad"]["status_code"] == 400
     assert by_id["bad"]["body"]["error"]["param"] == "guided_regex"
+
+
+# Several choices a line (`n`, `best_of`): shared with tests/integration/test_remote_batch.py.
+CHOICE_LINES = [
+    {"custom_id": "n3", "method": "POST", "url": "/v1/completions",
+     "body": {"model": "builtin:tiny", "prompt": "hello", "max_tokens": 6, "n": 3, "seed": 7,
+              "temperature": 1.0, "ignore_eos": True, "logprobs": 1}},
+    {"custom_id": "best", "method": "POST", "url": "/v1/completions",
+     "body": {"model": "builtin:tiny", "prompt": "hello", "max_tokens": 6, "best_of": 3,
+              "seed": 7, "temperature": 1.0, "ignore_eos": True}},
+    {"custom_id": "chat2", "method": "POST", "url": "/v1/chat/completions",
+     "body": {"model": "builtin:tiny", "messages": [{"role": "user", "content": "hi"}],
+              "max_tokens": 4, "n": 2, "seed": 5, "temperature": 1.0, "ignore_eos": True}},
+]
+
+
+def check_choice_lines(by_id: dict[str, dict]) -> None:
+    """Every choice in its line; best_of=3 keeps the most likely of the 3 sequences n=3
+    gives with the same seed (choice i's seed derives from the request's)."""
+    n3 = by_id["n3"]["response"]
+    assert n3["status_code"] == 200, n3
+    choices = n3["body"]["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2]
+    assert len({c["text"] for c in choices}) > 1  # each choice samples its own stream
+    assert n3["body"]["usage"]["completion_tokens"] == 18  # each choice's tokens once
+    likeliest = max(choices, key=lambda c: sum(c["logprobs"]["token_logprobs"]))
+    best = by_id["best"]["response"]["body"]
+    assert [c["text"] for c in best["choices"]] == [likeliest["text"]]
+    assert best["usage"]["completion_tokens"] == 18  # all 3 were generated
+    chat = by_id["chat2"]["response"]["body"]
+    assert [c["index"] for c in chat["choices"]] == [0, 1]
+    assert all(c["message"]["role"] == "assistant" for c in chat["choices"])
+    assert chat["usage"]["completion_tokens"] == 8
+
+
+def test_batch_lines_take_n_and_best_of(tmp_path):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("\n".join(json.dumps(x) for x in CHOICE_LINES) + "\n")
+    proc = run_batch(inp, out)
+    assert proc.returncode == 0, proc.stderr
+    first = out.read_text()
+    check_choice_lines({row["custom_id"]: row for row in map(json.loads, first.splitlines())})
+    # Seeded: the same choices in a second run.
+    out.unlink()
+    assert run_batch(inp, out).returncode == 0
+    texts = [[c.get("text") or c["message"]["content"] for c in json.loads(line)["response"]
+              ["body"]["choices"]] for line in first.splitlines()]
+    assert [[c.get("text") or c["message"]["content"] for c in json.loads(line)["response"]
+             ["body"]["choices"]] for line in out.read_text().splitlines()] == texts

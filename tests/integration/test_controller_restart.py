@@ -125,3 +125,51 @@ def test_constrained_requests_survive_a_controller_kill(controller) -> None:
         assert (await controller.wait_workers_up.remote(120))["ok"]
 
     asyncio.run(asyncio.wait_for(scenario(), 600))
+
+
+# Log-probabilities across a resume: journaled tokens' come from the journal (exact), those
+# recomputed or generated after the restart from a prefill of the prompt and the journaled
+# tokens (the same model, another kernel order: equal within float noise).
+WITH_LOGPROBS = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=3)
+LOGPROB_TOLERANCE = 1e-4
+
+
+class LateClient(RayControllerClient):
+    """Resumes its streams only once the restarted controller has run every resumed request
+    to its end: their tokens (the journaled ones and all recomputed after them) wait
+    unclaimed, and come back in one output with their log-probabilities."""
+
+    async def _resume(self, subscriber: str, request_ids: list[str]) -> None:
+        deadline = asyncio.get_running_loop().time() + 120
+        while True:  # a condition on the restarted controller, polled
+            stats = await self.handle.stats.remote()
+            if stats["num_unclaimed"] and \
+                    stats["num_unclaimed_finished"] == stats["num_unclaimed"]:
+                break
+            assert asyncio.get_running_loop().time() < deadline, stats
+            await asyncio.sleep(0.05)
+        await super()._resume(subscriber, request_ids)
+
+
+def test_logprobs_survive_a_controller_kill(controller) -> None:
+    async def scenario() -> None:
+        client = LateClient(controller)
+        reference = await run_streams(client, PROMPTS[:8], WITH_LOGPROBS, "lref")
+        disturbed = await run_streams(client, PROMPTS[:8], WITH_LOGPROBS, "lkill",
+                                      kill=lambda: _kill_controller(controller))
+        for j, (got, ref) in enumerate(zip(disturbed, reference, strict=True)):
+            assert got.error is None and got.finish_reason == "length", (j, got.error)
+            assert got.token_ids == ref.token_ids, j
+            assert got.logprobs is not None and ref.logprobs is not None
+            assert len(got.logprobs) == len(ref.logprobs) == WITH_LOGPROBS.max_tokens, j
+            for pos, (a, b) in enumerate(zip(got.logprobs, ref.logprobs, strict=True)):
+                assert a.token_id == b.token_id and a.top_ids == b.top_ids, (j, pos)
+                assert abs(a.logprob - b.logprob) < LOGPROB_TOLERANCE, (j, pos)
+                assert all(abs(x - y) < LOGPROB_TOLERANCE
+                           for x, y in zip(a.top_logprobs, b.top_logprobs, strict=True))
+        assert client.num_reconnects == 1
+        stats = await controller.stats.remote()
+        assert stats["num_resumed"] > 0 and stats["num_unclaimed"] == 0
+        assert (await controller.wait_workers_up.remote(120))["ok"]
+
+    asyncio.run(asyncio.wait_for(scenario(), 600))

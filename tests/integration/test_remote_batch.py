@@ -15,6 +15,7 @@ import pytest
 from cluster.batch_config import BatchConfig
 from cluster.frontend import Frontend, Prepared
 from cluster.remote_batch import run_remote
+from tests.engine.test_batch_cli import CHOICE_LINES, check_choice_lines
 from tests.integration.conftest import Cluster
 
 
@@ -43,6 +44,14 @@ def test_remote_batch_answers_every_line(cluster: Cluster) -> None:
     assert records["b"]["response"]["body"]["object"] == "chat.completion"
     assert records["c"]["response"]["status_code"] == 400
     assert None in records  # the unparseable line is answered without a custom_id
+
+
+def test_remote_batch_lines_take_n_and_best_of(cluster: Cluster) -> None:
+    out = io.StringIO()
+    counts = run_remote([json.dumps(line) for line in CHOICE_LINES], out, cluster.config,
+                        set(), progress=False)
+    assert counts["completed"] == 3 and counts["failed"] == 0
+    check_choice_lines({r["custom_id"]: r for r in map(json.loads, out.getvalue().splitlines())})
 
 
 class LineSink(io.StringIO):

@@ -66,24 +66,32 @@ def test_named_function_returns_its_call(client: OpenAI, seed: int) -> None:
     assert len(calls) == 1
 
 
-def test_streamed_calls_arrive_as_openai_deltas(client: OpenAI) -> None:
-    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS,
-                                            tool_choice="required", max_completion_tokens=300,
-                                            temperature=0.0, stream=True,
-                                            parallel_tool_calls=False)
-    by_index: dict[int, dict] = {}
-    reasons = []
-    for chunk in stream:
-        choice = chunk.choices[0]
-        reasons.append(choice.finish_reason)
-        for call in choice.delta.tool_calls or []:
-            entry = by_index.setdefault(call.index, {"id": call.id, "name": "", "args": ""})
-            entry["name"] += call.function.name or ""
-            entry["args"] += call.function.arguments or ""
-    assert reasons[-1] == "tool_calls" and by_index
-    for entry in by_index.values():
-        assert entry["id"].startswith("call_")
-        jsonschema.validate(json.loads(entry["args"]), SCHEMAS[entry["name"]])
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function",
+                                                      "function": {"name": "get_weather"}}])
+def test_streamed_calls_arrive_as_openai_deltas(client: OpenAI, tool_choice) -> None:
+    """Incremental: a call's first delta carries its id, type and name (empty arguments),
+    the later ones only `arguments` fragments, over several chunks; the openai client's
+    own stream accumulator reassembles calls that validate."""
+    kwargs = dict(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice,
+                  max_completion_tokens=300, temperature=0.0, parallel_tool_calls=False)
+    with client.chat.completions.stream(**kwargs) as stream:
+        deltas = [call for event in stream if event.type == "chunk"
+                  for call in event.chunk.choices[0].delta.tool_calls or []]
+        final = stream.get_final_completion()
+    assert deltas[0].id.startswith("call_") and deltas[0].type == "function"
+    assert deltas[0].function.name and deltas[0].function.arguments == ""
+    fragments = [d.function.arguments for d in deltas[1:]]
+    assert len(fragments) > 3 and all(d.id is None and d.function.name is None
+                                      for d in deltas[1:])
+    choice = final.choices[0]
+    assert choice.finish_reason == ("tool_calls" if tool_choice == "required" else "stop")
+    _check(choice.message.tool_calls, {"get_weather", "get_time"})
+    call = choice.message.tool_calls[0]
+    assert call.id == deltas[0].id and call.function.arguments == "".join(fragments)
+    # The same request unstreamed: the same call.
+    out = client.chat.completions.create(**kwargs).choices[0].message.tool_calls[0]
+    assert out.function.name == call.function.name
+    assert json.loads(out.function.arguments) == json.loads(call.function.arguments)
 
 
 def test_tool_turns_render_back_in(client: OpenAI) -> None:

@@ -14,6 +14,7 @@ import pytest
 from cluster.config import TokenflowConfig
 from cluster.engine import LocalEngine
 from cluster.frontend import CHAT, Frontend
+from cluster.protocol.tool_stream import ToolCallStream
 from cluster.protocol.tools import parse_tool_calls, tool_grammar, tool_plan
 from workers.presets import resolve_model
 from workers.tokenizer import Tokenizer
@@ -130,3 +131,63 @@ def test_required_grammar_lists_each_function() -> None:
     names = [item["properties"]["name"]["enum"] for item in schema["items"]["anyOf"]]
     assert names == [["get_weather"], ["get_time"]]
     assert tool_grammar(tool_plan(TOOLS, "auto", True)) is None
+
+
+STREAMED = [
+    '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',
+    'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n'
+    '</tool_call>\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call> Done.',
+    '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Ro\\"me"}}]',
+    '[{"name": "get_time", "arguments": "{}"}, {"name": "get_time", "arguments": {}}]',
+    '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo", "n": [1, 2]}}',
+    '{"name": "get_time", "parameters": {}}; {"name": "get_time", "parameters": {}}',
+    '{"parameters": {"city": "Oslo"}, "name": "get_weather"}',
+    "It is sunny. <b>Very</b> sunny.",
+    '{"name": "delete_all", "parameters": {}}',
+    '{"answer": [1, 2, {"b": "<tool"}]}',
+]
+
+
+def _streamed(plan, text: str, step: int) -> tuple[str, list[dict]]:
+    """`text` fed in pieces of `step` characters: (content, calls reassembled as the openai
+    client does: by index, `arguments` concatenated)."""
+    stream = ToolCallStream(plan)
+    content, calls = "", {}
+    for end in [*range(step, len(text), step), len(text)]:
+        piece, deltas = stream.feed(text[:end], end == len(text))
+        content += piece
+        for delta in deltas:
+            call = calls.setdefault(delta["index"], {"arguments": ""})
+            if "id" in delta:
+                assert "name" not in call and delta["function"]["arguments"] == ""
+                call.update(id=delta["id"], name=delta["function"]["name"])
+            call["arguments"] += delta["function"]["arguments"]
+    return content, [calls[i] for i in sorted(calls)]
+
+
+@pytest.mark.parametrize("text", STREAMED)
+@pytest.mark.parametrize("step", [1, 3, 7, 1000])
+def test_streamed_calls_reassemble_to_the_parsed_ones(text: str, step: int) -> None:
+    content, calls, _ = parse_tool_calls(text, PLAN)
+    got_content, got = _streamed(PLAN, text, step)
+    assert [(c["name"], json.loads(c["arguments"])) for c in got] == \
+        [(c.name, json.loads(c.arguments)) for c in calls]
+    assert all(c["id"].startswith("call_") for c in got)
+    assert got_content.split() == (content or "").split()  # the same words
+
+
+def test_streamed_calls_announce_a_call_before_its_arguments_end() -> None:
+    """The name goes out as soon as it is complete, the arguments as they are written."""
+    plan = tool_plan(TOOLS, "required", True)
+    stream = ToolCallStream(plan)
+    assert stream.feed('[{"name": "get_weath', False) == ("", [])
+    _, deltas = stream.feed('[{"name": "get_weather", "parameters": {"ci', False)
+    assert deltas[0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert deltas[1] == {"index": 0, "function": {"arguments": '{"ci'}}
+    assert stream.feed('[{"name": "get_weather", "parameters": {"city": "X"}}]', True) == \
+        ("", [{"index": 0, "function": {"arguments": 'ty": "X"}'}}])
+    named = ToolCallStream(tool_plan(TOOLS, {"type": "function",
+                                             "function": {"name": "get_time"}}, True))
+    _, deltas = named.feed("", False)
+    assert deltas[0]["function"] == {"name": "get_time", "arguments": ""}
+    assert named.feed(' {"a": 1', False)[1] == [{"index": 0, "function": {"arguments": '{"a": 1'}}]

@@ -17,7 +17,13 @@ import redis
 
 from controller.core import ControllerCore, ModelFacts, PoolSpec
 from controller.journal import Journal, JournalConfig
-from controller.messages import RequestOutput, SamplingParams, StepPlan, StepResult
+from controller.messages import (
+    RequestOutput,
+    SamplingParams,
+    StepPlan,
+    StepResult,
+    TokenLogprob,
+)
 from controller.options import ControllerOptions
 from controller.request import Request
 from controller.scheduler import SchedulerConfig
@@ -257,5 +263,54 @@ def test_a_full_buffer_becomes_a_catch_up(server) -> None:
         for request_id, rec in records.items():
             assert rec.output_token_ids == running[request_id].output_token_ids
             assert rec.chunks == journal._records[request_id].chunks
+    finally:
+        journal.close()
+
+
+def _entry(token: int, step: int) -> TokenLogprob:
+    # Floats that JSON must round-trip exactly.
+    return TokenLogprob(token, -0.1 * step - 1 / 3, (token, 7), (-0.1 * step - 1 / 3, -9.25))
+
+
+def test_logprobs_are_journaled_with_their_tokens_and_cut_to_the_shorter_list(server) -> None:
+    """A request with `logprobs` gets each token's entry in step with the token (normal
+    writes and a catch-up alike); a list cut short (the two are not written atomically)
+    gives the record only the tokens both cover, and a restore re-writes both lists."""
+    journal = Journal(server.url)
+    try:
+        core, _ = make_core()
+        wants = core.add_request(prompt(0), SamplingParams(max_tokens=20, logprobs=2), "lp")
+        plain = core.add_request(prompt(1), SamplingParams(max_tokens=20), "plain")
+        journal.admit(wants)
+        journal.admit(plain)
+        sent = []
+        for step in range(5):
+            entries = [_entry(10 + step, step)]
+            sent += entries
+            journal.record_outputs([
+                RequestOutput("lp", [10 + step], None, 4, step + 1, logprobs=entries),
+                RequestOutput("plain", [20 + step], None, 4, step + 1)])
+            journal.end_step()
+            if step == 2:
+                with journal._cond:  # the rest goes out as a catch-up
+                    journal._drop_buffer()
+        assert journal.flush(FLUSH_S)
+        records = {rec.request_id: rec for rec in journal.load_unfinished()}
+        assert records["lp"].output_token_ids == [10, 11, 12, 13, 14]
+        assert records["lp"].output_logprobs == sent
+        assert records["plain"].output_logprobs is None
+        assert records["plain"].output_token_ids == [20, 21, 22, 23, 24]
+
+        client = redis.Redis.from_url(server.url)
+        client.rpop(journal._key("logprobs", "lp"))  # as if the crash fell between the two
+        cut = {rec.request_id: rec for rec in journal.load_unfinished()}["lp"]
+        assert cut.output_token_ids == [10, 11, 12, 13] and cut.output_logprobs == sent[:4]
+        journal.restore([cut])
+        journal.record_outputs([RequestOutput("lp", [30], None, 4, 5,
+                                              logprobs=[_entry(30, 9)])])
+        assert journal.flush(FLUSH_S)
+        again = {rec.request_id: rec for rec in journal.load_unfinished()}["lp"]
+        assert again.output_token_ids == [10, 11, 12, 13, 30]
+        assert again.output_logprobs == [*sent[:4], _entry(30, 9)]
     finally:
         journal.close()

@@ -96,7 +96,7 @@ def test_a_lazy_stream_decodes_its_whole_answer_off_the_event_loop(tokenizer):
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    from cluster.answers import advance
+    from cluster.chunks import advance
     from cluster.config import TokenflowConfig
     from cluster.frontend import Frontend
     from controller.messages import Delta

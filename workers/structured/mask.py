@@ -16,6 +16,7 @@ from torch import Tensor
 
 from controller.messages import SamplingParams
 from workers.structured.compiler import GrammarCache
+from workers.structured.cpu_mask import apply_bitmask
 
 log = logging.getLogger(__name__)
 
@@ -55,10 +56,16 @@ class _Entry:
 
 
 class GrammarMasks:
+    """All constrained rows of a step at once: their bitmasks filled in one batched call,
+    the logits masked in one pass (on CPU, `cpu_mask.apply_bitmask`; else xgrammar's
+    kernel where the logits are)."""
+
     def __init__(self, cache: GrammarCache) -> None:
         self.cache = cache
         self._entries: dict[str, _Entry] = {}
         self._bitmask = xgr.allocate_token_bitmask(1, cache.info.vocab_size)
+        # One thread: filling a step's rows takes microseconds, less than a pool's hand-off.
+        self._batch = xgr.BatchGrammarMatcher(1)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -82,10 +89,11 @@ class GrammarMasks:
 
     def apply(self, logits: Tensor, row_request_ids: list[str]) -> None:
         """logits [S, V] (row i: `row_request_ids[i]`'s next token): tokens the grammars
-        forbid set to -inf in place, one batched kernel for all constrained rows."""
+        forbid set to -inf in place, for all constrained rows at once."""
         if not self._entries:
             return
         rows: list[int] = []
+        matchers: list[xgr.GrammarMatcher] = []
         for i, request_id in enumerate(row_request_ids):
             entry = self._entries.get(request_id)
             if entry is None:
@@ -93,17 +101,19 @@ class GrammarMasks:
             matcher = entry.ready_matcher()
             if matcher is None or matcher.is_terminated():
                 continue
-            if not rows and self._bitmask.shape[0] < len(row_request_ids):
-                self._bitmask = xgr.allocate_token_bitmask(len(row_request_ids),
-                                                           self.cache.info.vocab_size)
-            matcher.fill_next_token_bitmask(self._bitmask, i)
             rows.append(i)
+            matchers.append(matcher)
         if not rows:
             return
-        bitmask = self._bitmask[: len(row_request_ids)]
-        if logits.device.type != "cpu":
-            bitmask = bitmask.to(logits.device, non_blocking=True)
         if logits.dtype != torch.float32:
             raise TypeError("grammar masks need fp32 logits")
-        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1],
-                                        indices=rows)
+        if self._bitmask.shape[0] < len(row_request_ids):
+            self._bitmask = xgr.allocate_token_bitmask(len(row_request_ids),
+                                                       self.cache.info.vocab_size)
+        bitmask = self._bitmask[: len(row_request_ids)]
+        self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+        if logits.device.type == "cpu":
+            apply_bitmask(logits.numpy(), bitmask.numpy(), rows)
+            return
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
+                                        vocab_size=logits.shape[-1], indices=rows)
