@@ -33,6 +33,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from cluster.batch_config import BatchConfig
 from cluster.metrics import MetricsConfig
+from controller.autoscale import ScalingConfig
 from controller.budget import AutoBudget, BudgetFit, BudgetTable, CalibrationGrid
 from controller.flow import FlowConfig
 from controller.journal import JournalConfig
@@ -330,6 +331,9 @@ class TokenflowConfig(BaseSettings):
         "The HTTP edge: body and nesting limits, API keys, priority bounds, text threads."))
     batch: BatchConfig = Field(default_factory=BatchConfig, description=(
         "Offline batch jobs: requests in flight, step budget, start-up wait, shard size."))
+    scaling: ScalingConfig = Field(default_factory=ScalingConfig, description=(
+        "The elastic worker pool: load-driven growth and shrinking within "
+        "min_workers..max_workers (off by default), drain timeout."))
 
     def __init__(self, **data: Any) -> None:
         check_env()
@@ -410,7 +414,7 @@ class TokenflowConfig(BaseSettings):
             worker=self.worker, cache=self.cache, scheduler=self.scheduler_config(),
             flow=self.flow, protections=self.protections, degraded=self.degraded,
             cluster=self.cluster, recovery=self.recovery, journal=self.journal,
-            auto_budget=self.auto_budget())
+            scaling=self.scaling, auto_budget=self.auto_budget())
         table = self.budget_table()
         if table is None:
             return options

@@ -1,0 +1,165 @@
+"""The elastic pool on a real multi-node Ray cluster on this machine: workers added and
+drained while streams run, through `tokenflow workers` and the controller actor.
+
+Run by `test_elastic.py` in its own process (`python -m tests.integration.elastic_scenario
+OUT.json`): a driver joins one Ray cluster per process. Writes what it observed to OUT.
+
+The layout (`ray.cluster_utils.Cluster`, loopback only): a head with the controller and
+the driver, worker node A declaring `tokenflow_worker: 1` (the pool at start: one worker).
+1. 16 greedy streams on the one worker: the reference.
+2. Node B joins with `tokenflow_worker: 1`; `tokenflow workers add --wait` (a process of
+   its own) adds a worker, which lands on B; the 16 streams again, some on the new worker.
+3. The 16 again while `tokenflow workers drain` drains the new worker mid-stream: its
+   requests finish there, it is removed and B's unit is free again.
+4. A worker is added again (on B) and drained mid-stream with a zero timeout: its requests
+   move to worker 0 and end with the same tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+# Before Ray is imported: keep "127.0.0.1" as every node's address (loopback only).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER_RESOURCE = "tokenflow_worker"
+NAMESPACE = "tokenflow-elastic"
+NUM_TOKENS = 24
+PROMPTS = [[(5 * i + 11 * j + 2) % 500 + 1 for i in range(15 + 3 * j)] for j in range(16)]
+
+
+def _node_args(**resources: float) -> dict[str, Any]:
+    return {"num_cpus": 1, "resources": resources, "node_ip_address": "127.0.0.1",
+            "object_store_memory": 80 * 1024 * 1024}
+
+
+async def _cli(address: str, *args: str) -> dict[str, Any]:
+    """`tokenflow workers ...` as an operator runs it: a process of its own."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENFLOW_CLUSTER__NAMESPACE": NAMESPACE}
+    proc = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-m", "cluster.cli", "workers", "--address", address,
+                         *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    if proc.returncode != 0:
+        raise RuntimeError(f"tokenflow workers {args}: {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+async def _unit_freed(node_id: str, timeout_s: float = 30.0) -> float:
+    """The worker resource free on `node_id` once Ray has taken the killed actor's back."""
+    from ray._private.state import available_resources_per_node
+
+    deadline = time.monotonic() + timeout_s
+    free = 0.0
+    while time.monotonic() < deadline:
+        free = available_resources_per_node().get(node_id, {}).get(WORKER_RESOURCE, 0.0)
+        if free >= 1:
+            break
+        await asyncio.sleep(0.2)  # a poll of Ray's resource view, bounded by the deadline
+    return free
+
+
+async def _run(cluster: Any, out: dict[str, Any]) -> None:
+    import ray
+
+    from benchmarks.chaos_streams import run_streams
+    from cluster.config import TokenflowConfig
+    from cluster.controller_client import RayControllerClient
+    from controller.actor import get_or_create_controller
+    from controller.messages import SamplingParams
+
+    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
+    node_a = cluster.add_node(**_node_args(**{WORKER_RESOURCE: 1}))
+    cluster.wait_for_nodes()
+    config = TokenflowConfig(
+        worker={"model": "builtin:tiny"}, cache={"block_size": 8, "num_kv_blocks": 256},
+        scheduler={"max_num_batched_tokens": 64},
+        cluster={"namespace": NAMESPACE, "worker_num_cpus": 0.5, "controller_num_cpus": 0.1,
+                 "worker_resource": WORKER_RESOURCE})
+    controller = get_or_create_controller(config.controller_options())
+    info = await asyncio.wait_for(controller.model_info.remote(), 180)
+    out["start"] = {"nodes": info["nodes"], "node_a": node_a.node_id}
+    client = RayControllerClient(controller)
+
+    def tokens(results: list[Any]) -> list[dict[str, Any]]:
+        return [{"token_ids": r.token_ids, "finish_reason": r.finish_reason, "error": r.error}
+                for r in results]
+
+    out["reference"] = tokens(await run_streams(client, PROMPTS, params, "ref"))
+
+    # 2. A node joins; an operator adds a worker, which lands there and takes requests.
+    node_b = cluster.add_node(**_node_args(**{WORKER_RESOURCE: 1}))
+    cluster.wait_for_nodes()
+    added = await _cli(cluster.address, "add", "--wait", "--timeout", "150")
+    new = added["worker"]
+    after_add = tokens(await run_streams(client, PROMPTS, params, "added"))
+    stats = await controller.stats.remote()
+    out["added"] = {**added, "node_b": node_b.node_id, "streams": after_add,
+                    "num_routed_new": stats["workers"][new]["num_routed"]}
+
+    # 3. Drained mid-stream: its requests finish, then it is removed and B's unit freed.
+    report: dict[str, Any] = {}
+
+    async def drain() -> None:
+        report.update(await _cli(cluster.address, "drain", str(new), "--timeout", "120"))
+
+    drained = tokens(await run_streams(client, PROMPTS, params, "drain", kill=drain))
+    listing = await controller.workers.remote()
+    out["drained"] = {"report": report, "streams": drained,
+                      "states": {str(w["worker"]): w["state"] for w in listing},
+                      "free_on_b": await _unit_freed(node_b.node_id),
+                      "health": await controller.ping.remote()}
+
+    # 4. Added again and drained with no time to finish: its requests move, same tokens.
+    again = await asyncio.wait_for(controller.add_worker.remote(True, 150), 180)
+    moved: dict[str, Any] = {}
+
+    async def drain_now() -> None:
+        moved.update(await controller.drain_worker.remote(again["worker"], 0.0))
+
+    after_move = tokens(await run_streams(client, PROMPTS, params, "moved", kill=drain_now))
+    out["moved"] = {"added": again, "report": moved, "streams": after_move}
+    integrity = await asyncio.wait_for(controller.check_integrity.remote(), 120)
+    out["integrity_checked"] = [w["checked"] for w in integrity["workers"]]
+    snap = await controller.metrics_snapshot.remote()
+    out["metrics"] = {"pool_states": snap.pool_states,
+                      "scale_events": [[d, r, n] for (d, r), n in snap.scale_events.items()]}
+    await controller.shutdown.remote()
+    ray.kill(controller, no_restart=True)
+
+
+def main(path: str) -> int:
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from tests.redis_server import free_port
+
+    started = time.monotonic()
+    # The head's agent on a free port: Ray's default may be another local cluster's.
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 2, "node_ip_address": "127.0.0.1", "include_dashboard": False,
+        "dashboard_agent_listen_port": free_port(),
+        "object_store_memory": 80 * 1024 * 1024})
+    out: dict[str, Any] = {}
+    try:
+        ray.init(address=cluster.address, namespace=NAMESPACE, logging_level="WARNING",
+                 log_to_driver=False)
+        asyncio.run(asyncio.wait_for(_run(cluster, out), 300))
+    finally:
+        out["elapsed_s"] = time.monotonic() - started
+        with open(path, "w") as f:
+            json.dump(out, f)
+        ray.shutdown()
+        cluster.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
