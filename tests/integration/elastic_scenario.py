@@ -32,7 +32,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 ROOT = Path(__file__).resolve().parents[2]
 WORKER_RESOURCE = "tokenflow_worker"
 NAMESPACE = "tokenflow-elastic"
-NUM_TOKENS = 24
+NUM_TOKENS = 128  # long enough that a drain from a process of its own lands mid-stream
 PROMPTS = [[(5 * i + 11 * j + 2) % 500 + 1 for i in range(15 + 3 * j)] for j in range(16)]
 
 
@@ -79,7 +79,10 @@ async def _run(cluster: Any, out: dict[str, Any]) -> None:
     node_a = cluster.add_node(**_node_args(**{WORKER_RESOURCE: 1}))
     cluster.wait_for_nodes()
     config = TokenflowConfig(
-        worker={"model": "builtin:tiny"}, cache={"block_size": 8, "num_kv_blocks": 256},
+        # No prefix caching: the same prompts again would all go where their blocks are
+        # (worker 0), and the new worker must be chosen by load.
+        worker={"model": "builtin:tiny"},
+        cache={"block_size": 8, "num_kv_blocks": 512, "enable_prefix_caching": False},
         scheduler={"max_num_batched_tokens": 64},
         cluster={"namespace": NAMESPACE, "worker_num_cpus": 0.5, "controller_num_cpus": 0.1,
                  "worker_resource": WORKER_RESOURCE})
