@@ -7,8 +7,9 @@ OUT.json`): a driver joins one Ray cluster per process. Writes what it observed 
 The layout (`ray.cluster_utils.Cluster`, loopback only): a head with the controller and
 the driver, worker node A declaring `tokenflow_worker: 1` (the pool at start: one worker).
 1. 16 greedy streams on the one worker: the reference.
-2. Node B joins with `tokenflow_worker: 1`; `tokenflow workers add --wait` (a process of
-   its own) adds a worker, which lands on B; the 16 streams again, some on the new worker.
+2. `tokenflow workers add` (a process of its own) while no node has a unit free: the new
+   worker waits, loading. Node B joins with `tokenflow_worker: 1`: the worker lands there
+   and serves; the 16 streams again, some on the new worker.
 3. The 16 again while `tokenflow workers drain` drains the new worker mid-stream: its
    requests finish there, it is removed and B's unit is free again.
 4. A worker is added again (on B) and drained mid-stream with a zero timeout: its requests
@@ -66,6 +67,19 @@ async def _unit_freed(node_id: str, timeout_s: float = 30.0) -> float:
     return free
 
 
+async def _until_serving(controller: Any, name: str, timeout_s: float = 150.0
+                         ) -> list[dict[str, Any]]:
+    """`workers()` once worker `name` serves (its node joined and its model loaded)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        rows = await controller.workers.remote()
+        if any(w["name"] == name and w["state"] == "serving" for w in rows):
+            return rows
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{name} does not serve: {rows}")
+        await asyncio.sleep(0.2)  # a poll of the controller's state, bounded by the deadline
+
+
 async def _run(cluster: Any, out: dict[str, Any]) -> None:
     import ray
 
@@ -74,6 +88,7 @@ async def _run(cluster: Any, out: dict[str, Any]) -> None:
     from cluster.controller_client import RayControllerClient
     from controller.actor import get_or_create_controller
     from controller.messages import SamplingParams
+    from controller.startup import can_place_worker, request_worker_resources
 
     params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
     node_a = cluster.add_node(**_node_args(**{WORKER_RESOURCE: 1}))
@@ -97,15 +112,24 @@ async def _run(cluster: Any, out: dict[str, Any]) -> None:
 
     out["reference"] = tokens(await run_streams(client, PROMPTS, params, "ref"))
 
-    # 2. A node joins; an operator adds a worker, which lands there and takes requests.
+    # 2. An operator adds a worker while no node has a unit free: it waits, loading; a node
+    #    with the resource joins and the worker lands there and takes new requests.
+    options = config.controller_options()
+    could_place_before = can_place_worker(options)
+    added = await _cli(cluster.address, "add")
+    loading = [w["state"] for w in await controller.workers.remote()]
+    pending = (await controller.metrics_snapshot.remote()).pool_states
     node_b = cluster.add_node(**_node_args(**{WORKER_RESOURCE: 1}))
     cluster.wait_for_nodes()
-    added = await _cli(cluster.address, "add", "--wait", "--timeout", "150")
-    new = added["worker"]
+    rows = await _until_serving(controller, added["name"])
+    new = next(w["worker"] for w in rows if w["name"] == added["name"])
+    request_worker_resources(options, 2)  # what the autoscaler would be told: no error
     after_add = tokens(await run_streams(client, PROMPTS, params, "added"))
     stats = await controller.stats.remote()
-    out["added"] = {**added, "node_b": node_b.node_id, "streams": after_add,
-                    "num_routed_new": stats["workers"][new]["num_routed"]}
+    out["added"] = {**added, "worker": new, "node": stats["workers"][new]["node"],
+                    "states_before_join": loading, "pool_states_before_join": pending,
+                    "could_place_before": could_place_before, "node_b": node_b.node_id,
+                    "streams": after_add, "num_routed_new": stats["workers"][new]["num_routed"]}
 
     # 3. Drained mid-stream: its requests finish, then it is removed and B's unit freed.
     report: dict[str, Any] = {}

@@ -1,8 +1,9 @@
 """The elastic pool on a real multi-node Ray cluster (`elastic_scenario.py`, in a process of
-its own): a node joins and `tokenflow workers add` puts a worker on it that takes new
-requests; `tokenflow workers drain` mid-stream lets the drained worker's requests finish,
-removes it and frees its node's resource; a drain with no time to finish moves them. Every
-greedy output equals the undisturbed run's; no stream is lost; no KV block leaks."""
+its own): `tokenflow workers add` with no free resource leaves the worker loading until a
+node with the resource joins, where it lands and takes new requests; `tokenflow workers
+drain` mid-stream lets the drained worker's requests finish, removes it and frees its node's
+resource; a drain with no time to finish moves them. Every greedy output equals the
+undisturbed run's; no stream is lost; no KV block leaks."""
 
 from __future__ import annotations
 
@@ -33,11 +34,15 @@ def _assert_same_as_reference(streams: list[dict[str, Any]], reference: list[Any
         assert got["token_ids"] == ref["token_ids"], j
 
 
-def test_an_added_worker_lands_on_the_joined_node_and_takes_new_requests(observed) -> None:
+def test_an_added_worker_waits_for_a_node_then_lands_there_and_takes_requests(observed
+                                                                               ) -> None:
     assert observed["start"]["nodes"] == [observed["start"]["node_a"]]
     added = observed["added"]
-    assert added["state"] == "serving" and added["worker"] == 1
-    assert added["node"] == added["node_b"]
+    assert not added["could_place_before"]  # node A's one unit is taken
+    assert added["state"] == "loading" and added["states_before_join"] == ["serving",
+                                                                           "loading"]
+    assert added["pool_states_before_join"] == {"loading": 1, "serving": 1, "draining": 0}
+    assert added["worker"] == 1 and added["node"] == added["node_b"]
     assert added["num_routed_new"] > 0
     _assert_same_as_reference(added["streams"], observed["reference"])
 
