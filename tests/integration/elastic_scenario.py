@@ -14,6 +14,8 @@ the driver, worker node A declaring `tokenflow_worker: 1` (the pool at start: on
    requests finish there, it is removed and B's unit is free again.
 4. A worker is added again (on B) and drained mid-stream with a zero timeout: its requests
    move to worker 0 and end with the same tokens.
+5. A second controller with load-driven scaling on short windows shrinks its idle pool and
+   grows it back under a queue (`_scale_with_load`).
 """
 
 from __future__ import annotations
@@ -158,6 +160,69 @@ async def _run(cluster: Any, out: dict[str, Any]) -> None:
     snap = await controller.metrics_snapshot.remote()
     out["metrics"] = {"pool_states": snap.pool_states,
                       "scale_events": [[d, r, n] for (d, r), n in snap.scale_events.items()]}
+    await controller.shutdown.remote()
+    ray.kill(controller, no_restart=True)
+    await _scale_with_load(client_params=params, out=out)
+
+
+async def _until(what: str, check: Any, timeout_s: float = 60.0) -> Any:
+    """The first truthy `await check()`, polled (a state, not a sleep as synchronisation)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = await check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} did not happen in {timeout_s:.0f} s")
+        await asyncio.sleep(0.2)
+
+
+async def _scale_with_load(client_params: Any, out: dict[str, Any]) -> None:
+    """5. A controller with load-driven scaling (short windows): it starts with a worker per
+    free unit (2), drains one that stays idle past the cool-down, and adds one back when
+    the queue stays over its threshold; the streams meanwhile keep their tokens."""
+    import ray
+
+    from benchmarks.chaos_streams import run_streams
+    from cluster.config import TokenflowConfig
+    from cluster.controller_client import RayControllerClient
+    from controller.actor import get_or_create_controller
+
+    config = TokenflowConfig(
+        worker={"model": "builtin:tiny"},
+        cache={"block_size": 8, "num_kv_blocks": 512, "enable_prefix_caching": False},
+        scheduler={"max_num_batched_tokens": 64, "max_num_seqs": 4},
+        cluster={"namespace": NAMESPACE + "-scaling", "worker_num_cpus": 0.5,
+                 "controller_num_cpus": 0.1, "worker_resource": WORKER_RESOURCE},
+        scaling={"enabled": True, "min_workers": 1, "max_workers": 2, "waiting_per_worker": 2,
+                 "window_s": 1.0, "sample_interval_s": 0.2, "idle_cooldown_s": 2.0,
+                 "drain_timeout_s": 30})
+    controller = get_or_create_controller(config.controller_options())
+    info = await asyncio.wait_for(controller.model_info.remote(), 180)
+
+    async def events() -> dict[tuple[str, str], int]:
+        return (await controller.metrics_snapshot.remote()).scale_events
+
+    async def shrunk() -> bool:
+        return (await events())[("down", "idle")] >= 1 and \
+            (await controller.metrics_snapshot.remote()).pool_states["serving"] == 1
+
+    await _until("an idle worker drained", shrunk)
+    client = RayControllerClient(controller)
+    streams = asyncio.create_task(run_streams(client, PROMPTS + PROMPTS, client_params, "load"))
+
+    async def grown() -> bool:
+        return (await events())[("up", "queue")] >= 1
+
+    await _until("a worker added under the queue", grown)
+    results = await streams
+    listing = await controller.workers.remote()
+    out["scaling"] = {
+        "num_workers_at_start": info["num_workers"],
+        "events": [[d, r, n] for (d, r), n in (await events()).items()],
+        "states": [w["state"] for w in listing],
+        "streams": [{"token_ids": r.token_ids, "finish_reason": r.finish_reason,
+                     "error": r.error} for r in results]}
     await controller.shutdown.remote()
     ray.kill(controller, no_restart=True)
 

@@ -70,5 +70,16 @@ def test_a_drain_past_its_timeout_moves_requests_with_the_same_tokens(observed) 
     assert events[("up", "operator")] == 2 and events[("down", "operator")] == 2
 
 
+def test_load_driven_scaling_shrinks_when_idle_and_grows_under_a_queue(observed) -> None:
+    scaling = observed["scaling"]
+    assert scaling["num_workers_at_start"] == 2  # one per free unit
+    events = {(d, r): n for d, r, n in scaling["events"]}
+    assert events[("down", "idle")] >= 1 and events[("up", "queue")] >= 1
+    assert "removed" in scaling["states"] and "serving" in scaling["states"]
+    reference = observed["reference"]
+    for got, ref in zip(scaling["streams"], reference + reference, strict=True):
+        assert got["error"] is None and got["token_ids"] == ref["token_ids"]
+
+
 def test_the_scenario_stays_bounded(observed) -> None:
     assert observed["elapsed_s"] < 180
