@@ -44,12 +44,16 @@ def _node_args(**resources: float) -> dict[str, Any]:
             "object_store_memory": 80 * 1024 * 1024}
 
 
-async def _cli(address: str, *args: str) -> dict[str, Any]:
+async def _cli_run(address: str, *args: str) -> subprocess.CompletedProcess[str]:
     """`tokenflow workers ...` as an operator runs it: a process of its own."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENFLOW_CLUSTER__NAMESPACE": NAMESPACE}
-    proc = await asyncio.to_thread(
+    return await asyncio.to_thread(
         subprocess.run, [sys.executable, "-m", "cluster.cli", "workers", "--address", address,
                          *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+
+
+async def _cli(address: str, *args: str) -> Any:
+    proc = await _cli_run(address, *args)
     if proc.returncode != 0:
         raise RuntimeError(f"tokenflow workers {args}: {proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -106,6 +110,7 @@ async def _run(cluster: Any, out: dict[str, Any]) -> None:
     controller = get_or_create_controller(config.controller_options())
     info = await asyncio.wait_for(controller.model_info.remote(), 180)
     out["start"] = {"nodes": info["nodes"], "node_a": node_a.node_id}
+    out["phase_at_s"] = phases = {"started": time.monotonic()}
     client = RayControllerClient(controller)
 
     def tokens(results: list[Any]) -> list[dict[str, Any]]:
@@ -113,6 +118,7 @@ async def _run(cluster: Any, out: dict[str, Any]) -> None:
                 for r in results]
 
     out["reference"] = tokens(await run_streams(client, PROMPTS, params, "ref"))
+    phases["reference"] = time.monotonic()
 
     # 2. An operator adds a worker while no node has a unit free: it waits, loading; a node
     #    with the resource joins and the worker lands there and takes new requests.
@@ -128,6 +134,7 @@ async def _run(cluster: Any, out: dict[str, Any]) -> None:
     request_worker_resources(options, 2)  # what the autoscaler would be told: no error
     after_add = tokens(await run_streams(client, PROMPTS, params, "added"))
     stats = await controller.stats.remote()
+    phases["added"] = time.monotonic()
     out["added"] = {**added, "worker": new, "node": stats["workers"][new]["node"],
                     "states_before_join": loading, "pool_states_before_join": pending,
                     "could_place_before": could_place_before, "node_b": node_b.node_id,
@@ -140,7 +147,8 @@ async def _run(cluster: Any, out: dict[str, Any]) -> None:
         report.update(await _cli(cluster.address, "drain", str(new), "--timeout", "120"))
 
     drained = tokens(await run_streams(client, PROMPTS, params, "drain", kill=drain))
-    listing = await controller.workers.remote()
+    listing = await _cli(cluster.address, "list", "--json")
+    phases["drained"] = time.monotonic()
     out["drained"] = {"report": report, "streams": drained,
                       "states": {str(w["worker"]): w["state"] for w in listing},
                       "free_on_b": await _unit_freed(node_b.node_id),
@@ -154,7 +162,10 @@ async def _run(cluster: Any, out: dict[str, Any]) -> None:
         moved.update(await controller.drain_worker.remote(again["worker"], 0.0))
 
     after_move = tokens(await run_streams(client, PROMPTS, params, "moved", kill=drain_now))
-    out["moved"] = {"added": again, "report": moved, "streams": after_move}
+    refused = await _cli_run(cluster.address, "drain", "0")  # the last serving worker
+    phases["moved"] = time.monotonic()
+    out["moved"] = {"added": again, "report": moved, "streams": after_move,
+                    "refusal": [refused.returncode, refused.stderr.strip().splitlines()[-1:]]}
     integrity = await asyncio.wait_for(controller.check_integrity.remote(), 120)
     out["integrity_checked"] = [w["checked"] for w in integrity["workers"]]
     snap = await controller.metrics_snapshot.remote()
@@ -163,6 +174,7 @@ async def _run(cluster: Any, out: dict[str, Any]) -> None:
     await controller.shutdown.remote()
     ray.kill(controller, no_restart=True)
     await _scale_with_load(client_params=params, out=out)
+    phases["scaling"] = time.monotonic()
 
 
 async def _until(what: str, check: Any, timeout_s: float = 60.0) -> Any:

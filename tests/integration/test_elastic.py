@@ -64,6 +64,8 @@ def test_a_drain_past_its_timeout_moves_requests_with_the_same_tokens(observed) 
     report = moved["report"]
     assert not report["finished"] and report["num_moved"] > 0 and report["moved_to"] == [0]
     _assert_same_as_reference(moved["streams"], observed["reference"])
+    code, last_line = moved["refusal"]
+    assert code == 1 and "worker 0 is the last serving worker" in last_line[0]
     assert all(observed["integrity_checked"])
     assert observed["metrics"]["pool_states"] == {"loading": 0, "serving": 1, "draining": 0}
     events = {(d, r): n for d, r, n in observed["metrics"]["scale_events"]}

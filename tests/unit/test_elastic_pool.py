@@ -165,3 +165,25 @@ def test_the_last_worker_and_an_unknown_one_cannot_be_drained() -> None:
             await pool.actor.drain_worker(0)
 
     run(main())
+
+
+def test_the_workers_cli_parses_its_actions_and_lists_one_row_per_worker() -> None:
+    from cluster.cli import build_parser
+    from cluster.workers_cli import format_rows
+
+    args = build_parser().parse_args(["workers", "--address", "h:6380", "drain", "2",
+                                      "--timeout", "30"])
+    assert (args.command, args.action, args.address) == ("workers", "drain", "h:6380")
+    assert (args.worker, args.timeout, args.no_wait) == (2, 30.0, False)
+    assert build_parser().parse_args(["workers", "add", "--wait"]).wait
+
+    async def main() -> str:
+        pool = Pool(1)
+        await pool.actor.add_worker(wait=True)
+        await pool.actor.drain_worker(1, timeout_s=1)
+        return format_rows(await pool.actor.workers())
+
+    lines = run(main()).splitlines()
+    assert len(lines) == 3 and lines[0].split()[:2] == ["worker", "state"]
+    assert lines[1].split()[:2] == ["0", "serving"] and lines[2].split()[:2] == ["1", "removed"]
+    assert lines[2].split()[-1] == "tokenflow-controller-worker-1"
