@@ -7,7 +7,9 @@ whose step loop is an asyncio task: plan (the core handles queued events first),
 worker's step, apply, hand the outputs to the streams. The tasks share nothing but the
 core, which is only touched between awaits, so the single-threaded event loop is the lock;
 a slow worker only delays its own loop. A loop with nothing to do parks on an
-`asyncio.Event` that `submit`, `abort` and event producers set: no polling.
+`asyncio.Event` that `submit`, `abort` and event producers set: no polling. Workers join
+and leave while it serves (`add_worker`, `drain_worker`: controller/pool.py), by an
+operator's call or the load (controller/scaling.py, with `scaling.enabled`).
 
 One streaming protocol toward the edge, multiplexed: a consumer (an ingress replica, a batch
 runner) opens one `subscribe` stream that carries the `Delta`s of all its requests (a
@@ -54,18 +56,17 @@ from controller.startup import (
     Startup,
     WorkerFactory,
     WorkerSpawner,
-    can_place_worker,
     kill_actor,
     kill_for_good,
+    make_autoscaler,
     node_of,
-    request_worker_resources,
     spawn_added_worker,
     start_worker_actors,
     worker_name,
 )
 from controller.streams import Streams
-from controller.transport import WorkerTransport, make_transport
-from controller.worker_loop import WorkerSlot
+from controller.transport import WorkerTransport
+from controller.worker_loop import WorkerSlot, slot_transport
 
 logger = logging.getLogger(__name__)
 __all__ = ["CONTROLLER_NAME", "ControllerActor", "RemoteController", "WorkerFactory",
@@ -139,11 +140,8 @@ class ControllerActor:
         for slot in self.slots:
             slot.start()
         if opts.scaling.enabled:
-            self.autoscaler = Autoscaler(
-                opts.scaling, self.pool, self.streams.request_metrics.ttft_s,
-                asyncio.get_running_loop().time, lambda: can_place_worker(self.options),
-                lambda n: request_worker_resources(self.options, n))
-            self.autoscaler.start()
+            self.autoscaler = make_autoscaler(lambda: self.options, self.pool,
+                                              self.streams.request_metrics.ttft_s)
         logger.info("controller started with %d workers on %s, %d requests resumed from the "
                     "journal", len(handles), ", ".join(sorted({i.device for i in infos})),
                     len(records))
@@ -153,13 +151,8 @@ class ControllerActor:
         assert self.core is not None
         return WorkerSlot(index, handle, info, self.core, self.streams, kill=self.kill_worker,
                           recovery=self.options.recovery,
-                          transport=transport or self._transport(index, handle, info))
-
-    def _transport(self, index: int, handle: Any, info: Any) -> WorkerTransport:
-        cluster = self.options.cluster
-        return make_transport(cluster.worker_transport, handle, info.incarnation,
-                              cluster.compiled_graph_probe_s,
-                              self.options.recovery.ready_timeout_s, name=f"worker {index}")
+                          transport=transport or slot_transport(self.options, index, handle,
+                                                                info))
 
     def _active(self) -> list[WorkerSlot]:
         """The slots of workers not removed (serving or draining)."""
@@ -171,7 +164,7 @@ class ControllerActor:
         core = self.core
         assert core is not None
         index = core.num_workers
-        transport = self._transport(index, handle, info)
+        transport = slot_transport(self.options, index, handle, info)
         await transport.reopen(handle, info.incarnation)
         # From here to `start`, nothing awaits: the index is still the next one.
         assert core.add_worker(PoolSpec(info.num_kv_blocks, info.block_size,
@@ -379,7 +372,9 @@ class ControllerActor:
                         "num_workers_up": 0, "workers": []}
         core = self.core
         active = self._active()
-        dead = [s.index for s in active if s.task is None or s.task.done()]
+        # A draining worker's loop ends on purpose just before it is removed.
+        dead = [s.index for s in active if (s.task is None or s.task.done())
+                and self.pool.state_of(s.index) != "draining"]
         workers = [{"worker": s.index, "up": core.workers[s.index].is_up, "pid": s.info.pid,
                     "device": s.info.device, "node": node_of(s.info),
                     "state": self.pool.state_of(s.index),

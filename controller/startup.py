@@ -17,8 +17,10 @@ from typing import Any
 import ray
 
 from controller.budget import AutoBudgetResult, BudgetTable
+from controller.histogram import Histogram
 from controller.options import ControllerOptions
-from controller.scaling import bundles
+from controller.pool import ElasticPool
+from controller.scaling import Autoscaler, bundles
 
 logger = logging.getLogger(__name__)
 CONTROLLER_NAME = "tokenflow-controller"
@@ -241,3 +243,15 @@ def request_worker_resources(opts: ControllerOptions, num_workers: int) -> None:
     from ray.autoscaler.sdk import request_resources
 
     request_resources(bundles=bundles(worker_resources(opts, uses_gpu(opts)), num_workers))
+
+
+def make_autoscaler(options_of: Callable[[], ControllerOptions], pool: ElasticPool,
+                    ttft_s: Histogram) -> Autoscaler:
+    """The started autoscaler of a running controller (`scaling.enabled`), on the event
+    loop's clock, Ray's free resources and Ray's autoscaler."""
+    autoscaler = Autoscaler(options_of().scaling, pool, ttft_s,
+                            asyncio.get_running_loop().time,
+                            lambda: can_place_worker(options_of()),
+                            lambda n: request_worker_resources(options_of(), n))
+    autoscaler.start()
+    return autoscaler

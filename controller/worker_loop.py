@@ -37,12 +37,20 @@ from controller.core import ControllerCore
 from controller.messages import FinishReason, RequestOutput, StepPlan, StepResult
 from controller.recovery import RecoveryConfig
 from controller.step_loop import StepLoop
-from controller.transport import ActorCallTransport, WorkerTransport
+from controller.transport import ActorCallTransport, WorkerTransport, make_transport
 
 logger = logging.getLogger(__name__)
 # Step records kept for stats and the overhead benchmark; older ones are dropped.
 _MAX_RECORDS = 4096
 T = TypeVar("T")
+
+
+def slot_transport(options: Any, index: int, handle: Any, info: Any) -> WorkerTransport:
+    """How plans reach worker `index` (`cluster.worker_transport`), not yet opened."""
+    cluster = options.cluster
+    return make_transport(cluster.worker_transport, handle, info.incarnation,
+                          cluster.compiled_graph_probe_s, options.recovery.ready_timeout_s,
+                          name=f"worker {index}")
 
 
 class WorkerCallError(RuntimeError):
