@@ -31,10 +31,11 @@ import torch
 from benchmarks.engine_report import attach_targets, plot
 from benchmarks.engine_workloads import OurWorkloads, Pair, TheirWorkloads, random_prompt
 from benchmarks.timing import alternate, paired_ratio, summary
+from controller.options import CacheConfig, WorkerConfig
 from workers.hardware import measure_matmul_peak_flops, measure_memory_bandwidth
 from workers.model_config import ModelConfig
 from workers.presets import resolve_model
-from workers.worker import Worker
+from workers.worker import Worker, build_worker
 
 
 @dataclass(frozen=True)
@@ -166,7 +167,8 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     blocks = sum(-(-c // cfg.block_size) for c in cfg.prefill_chunks)
     blocks += cfg.decode_batch * (-(-(cfg.decode_context + 1) // cfg.block_size))
     # "auto": a GPU where there is one (untested here: this project's CI machine has none).
-    worker = Worker(str(path), num_kv_blocks=blocks, block_size=cfg.block_size, device="auto")
+    worker = build_worker(WorkerConfig(model=str(path), device="auto", telemetry=False),
+                          CacheConfig(block_size=cfg.block_size, num_kv_blocks=blocks))
     hf_model = HFLlama.from_pretrained(path, dtype=torch.float32).eval().to(worker.device)
     ours, theirs = OurWorkloads(worker), TheirWorkloads(hf_model)
     model_cfg = worker.model_config

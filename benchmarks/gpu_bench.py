@@ -53,7 +53,7 @@ from controller.scheduler import SchedulerConfig
 from controller.step_loop import StepLoop
 from workers.hardware import measure_memory_bandwidth
 from workers.presets import PresetSpec, build_tokenizer, preset_config_dict
-from workers.worker import Worker
+from workers.worker import Worker, build_worker
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
@@ -143,6 +143,13 @@ class StepTiming:
         if self.wall_s is not None:
             return self.wall_s
         return self.schedule_s + self.execute_s + self.apply_s
+
+
+def bench_worker(model: str, block_size: int, num_kv_blocks: int, **worker: Any) -> Worker:
+    """A worker built as a serving one is (`build_worker` from the `worker:` and `cache:`
+    sections), without bandwidth telemetry: the benchmark reads the device itself."""
+    return build_worker(WorkerConfig(model=model, telemetry=False, **worker),
+                        CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks))
 
 
 class BenchEngine:
@@ -502,8 +509,8 @@ def measure_scene(worker: Worker, cfg: GpuBenchConfig, slo_ms: float,
 
 def measure_parity(folder: Path, device: torch.device, cfg: GpuBenchConfig) -> dict[str, Any]:
     """fp32 greedy token ids equal to transformers' on the same device, sequence by sequence."""
-    worker = Worker(str(folder), num_kv_blocks=256, block_size=cfg.block_size,
-                    dtype="float32", device=str(device))
+    worker = bench_worker(str(folder), cfg.block_size, 256, dtype="float32",
+                          device=str(device))
     engine = BenchEngine(worker, "tokenflow", budget=256)
     rng = random.Random(6)
     prompts = [random_prompt(rng, rng.randint(4, 40), worker.vocab_size)
@@ -779,8 +786,8 @@ def run(cfg: GpuBenchConfig, device: torch.device, work_dir: Path, png: Path | N
 
     def worker() -> dict[str, Any]:
         start = time.perf_counter()
-        st.worker = Worker(str(st.folder), num_kv_blocks=cfg.num_kv_blocks,
-                           block_size=cfg.block_size, dtype=cfg.dtype, device=str(device))
+        st.worker = bench_worker(str(st.folder), cfg.block_size, cfg.num_kv_blocks,
+                                 dtype=cfg.dtype, device=str(device))
         report["execution"] = _execution(st.worker)
         report["model"] = {"params": st.worker.num_params,
                            "weight_bytes": st.worker.weight_bytes, "dtype": cfg.dtype}

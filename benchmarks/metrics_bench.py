@@ -20,11 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.standin_worker import StandInWorkerActor
+from cluster.config import TokenflowConfig
 from controller.core import ControllerCore
 from controller.messages import SamplingParams
-from controller.options import CacheConfig, ControllerOptions
 from controller.request_metrics import MetricsSnapshot, RequestMetrics
-from controller.scheduler import SchedulerConfig
 from controller.step_loop import StepLoop
 
 NUM_WORKERS = 4
@@ -34,9 +33,10 @@ TARGET_MS = 50.0
 
 
 def _loaded_core() -> tuple[ControllerCore, RequestMetrics]:
-    options = ControllerOptions(
-        cache=CacheConfig(block_size=16, num_kv_blocks=4096),
-        scheduler=SchedulerConfig(max_num_batched_tokens=8192, max_num_seqs=128))
+    options = TokenflowConfig(
+        cache={"block_size": 16, "num_kv_blocks": 4096},
+        scheduler={"max_num_batched_tokens": 8192, "max_num_seqs": 128},
+        calibration={"auto": False}).controller_options()  # the stand-in's step is fixed
     workers = [StandInWorkerActor(options.worker, options.cache) for _ in range(NUM_WORKERS)]
     core = ControllerCore.for_workers(options, [w.info() for w in workers], time.monotonic)
     metrics = RequestMetrics()

@@ -114,13 +114,15 @@ QUICK = PoliciesConfig(
 
 
 def _config(cfg: PoliciesConfig, policy: str, scheduler: dict[str, Any] | None = None,
-            calibration: dict[str, Any] | None = None) -> TokenflowConfig:
+            calibration: dict[str, Any] | None = None,
+            slo: dict[str, Any] | None = None) -> TokenflowConfig:
     # No prefix caching: trials replay the same prompts, and a hit would skip their prefill.
     return TokenflowConfig(
         worker={"model": cfg.model},
         cache={"num_kv_blocks": cfg.num_kv_blocks, "enable_prefix_caching": False},
         scheduler={"scheduling_policy": policy, **(scheduler or {})},
-        calibration=calibration or {"auto": False})  # baselines: their fixed budgets
+        calibration=calibration or {"auto": False},  # baselines: their fixed budgets
+        slo=slo or {})
 
 
 def decode_steps_s(engine: LocalEngine, clock: VirtualClock, cfg: PoliciesConfig,
@@ -205,9 +207,9 @@ def _run(cfg: PoliciesConfig, out_dir: Path, itl_slo_ms: float | None) -> dict[s
     out_dir.mkdir(parents=True, exist_ok=True)
     table.save(budget_file)
     clocks = {p: VirtualClock() for p in POLICIES}
-    tokenflow = {"budget_file": budget_file, "itl_slo_ms": slo_ms}
+    tokenflow = {"calibration": {"budget_file": budget_file}, "slo": {"itl_ms": slo_ms}}
     engines = {p: LocalEngine(_config(
-        cfg, p, calibration=tokenflow) if p == "tokenflow" else _config(
+        cfg, p, **tokenflow) if p == "tokenflow" else _config(
         cfg, p, scheduler={"max_num_batched_tokens": BASELINE_BUDGETS[p]}), clock=clocks[p])
         for p in POLICIES}
     block = engines["tokenflow"].config.cache.block_size

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import resource
 import sys
 import time
@@ -25,6 +24,7 @@ from functools import partial
 from typing import TextIO
 
 from cluster import protocol as p
+from cluster.batch_config import OWN_CONTROLLER_SECTIONS
 from cluster.batch_io import (
     Progress,
     check_location,
@@ -38,7 +38,7 @@ from cluster.batch_io import (
     write_error,
     write_text,
 )
-from cluster.config import TokenflowConfig, nest
+from cluster.config import BUDGET_FIELD, TokenflowConfig, nest
 from cluster.frontend import Frontend, Prepared, TextStream
 from controller.messages import FinishReason
 
@@ -114,7 +114,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--num-workers", type=int, help="worker actors of a controller the job "
                     "starts (a running controller keeps its own)")
     ap.add_argument("--max-num-batched-tokens", type=int, help=(
-        "step budget (default for offline jobs: batch.max_num_batched_tokens)"))
+        "step budget (default for offline jobs: the batch profile's, "
+        "batch.overrides.scheduler.max_num_batched_tokens)"))
     ap.add_argument("--max-num-seqs", type=int)
     ap.add_argument("--block-size", type=int)
     ap.add_argument("--num-kv-blocks", type=int)
@@ -128,10 +129,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-BUDGET_ENV = "TOKENFLOW_SCHEDULER__MAX_NUM_BATCHED_TOKENS"
-CHUNKS_ENV = "TOKENFLOW_SCHEDULER__MAX_CONCURRENT_CHUNKS"
-
-
 def config_from_args(args: argparse.Namespace) -> TokenflowConfig:
     config = TokenflowConfig(**nest({
         "worker.model": args.model, "worker.num_workers": args.num_workers,
@@ -142,25 +139,24 @@ def config_from_args(args: argparse.Namespace) -> TokenflowConfig:
         "batch.max_in_flight": args.max_in_flight,
         "batch.rows_per_shard": args.rows_per_shard,
         "calibration.auto": False if args.no_calibrate else None}))
-    return offline_budget(config, args.max_num_batched_tokens is not None
-                          or BUDGET_ENV in os.environ)
+    return offline_config(config)
 
 
-def offline_budget(config: TokenflowConfig, budget_set: bool) -> TokenflowConfig:
-    """An offline job's step: batch.max_num_batched_tokens unless the budget was set
-    (flag, env, budget file), and batch.max_concurrent_chunks unless the chunk
-    limit was set (env). The calibrated table recommends a budget for the ITL SLO, which no
-    one waits on here, so auto calibration does not override it."""
-    scheduler = config.scheduler
-    if CHUNKS_ENV not in os.environ:
-        scheduler = dataclasses.replace(
-            scheduler, max_concurrent_chunks=config.batch.max_concurrent_chunks)
-    if budget_set or config.calibration.budget_file is not None:
-        return config.model_copy(update={"scheduler": scheduler})
-    scheduler = dataclasses.replace(
-        scheduler, max_num_batched_tokens=config.batch.max_num_batched_tokens)
-    calibration = config.calibration.model_copy(update={"auto": False})
-    return config.model_copy(update={"scheduler": scheduler, "calibration": calibration})
+def offline_config(config: TokenflowConfig) -> TokenflowConfig:
+    """An offline job's engine: the batch profile (`batch.overrides`) on every section but
+    those of a controller the job starts (`OWN_CONTROLLER_SECTIONS`), each override unless
+    its setting was given (flag, env, keyword); a budget file gives the step budget. With
+    the profile's budget the automatic calibration is off: the table recommends a budget
+    for the ITL SLO, which no one waits on here."""
+    budget = f"scheduler.{BUDGET_FIELD}"
+    given = {budget} if config.calibration.budget_file is not None else set()
+    sections = [s for s in config.batch.overrides if s not in OWN_CONTROLLER_SECTIONS]
+    job = config.with_batch_profile(sections, given)
+    if BUDGET_FIELD not in config.batch.overrides.get("scheduler", {}) or given \
+            or config.is_given(budget):
+        return job
+    calibration = dataclasses.replace(job.calibration, auto=False)
+    return job.model_copy(update={"calibration": calibration})
 
 
 def main(argv: list[str] | None = None) -> int:

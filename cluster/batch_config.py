@@ -1,11 +1,39 @@
 """The batch jobs' settings (`batch:` in the configuration), apart from the runners so that
-`cluster.config` nests them without importing the runners (which import it)."""
+`cluster.config` nests them without importing the runners (which import it).
+
+`batch` holds only what is a batch job's own (requests in flight, the start-up wait, shard
+size) and a profile, `overrides`: settings of the other sections that a batch job runs with
+instead of the serving ones, each unless that setting was given (keyword, serve.yaml
+`args`, environment, a CLI flag). The profile names the sections' own fields, so it is
+validated like them (`check_overrides`, at start): a misspelled key fails naming it.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
-from controller.settings import FORBID_EXTRA, check_settings, check_thread_count, setting
+from pydantic import TypeAdapter, ValidationError
+
+from controller.settings import FORBID_EXTRA, check_settings, setting
+
+# The offline profile: no one waits on a token, so a step as large as vLLM's offline
+# default amortizes weight reads instead of meeting an ITL SLO; every short prompt is a
+# chunk, and the interactive chunk limit would admit a batch of them a few per step while
+# the budget sits unused; the worker of a controller the job starts takes every core of its
+# node but one (the one left is the job's driver's and controller's: on 2 cores the job ran
+# as fast or faster with its worker on one thread than on two).
+DEFAULT_OVERRIDES: dict[str, dict[str, Any]] = {
+    "scheduler": {"max_num_batched_tokens": 8192, "max_concurrent_chunks": 256},
+    "worker": {"num_threads": -2},
+}
+# Sections whose overrides apply to the workers of a controller the job starts (a `--local`
+# job's in-process worker keeps its `worker:` settings); the others apply to every engine
+# a job starts.
+OWN_CONTROLLER_SECTIONS = frozenset({"worker"})
 
 
 @dataclass(frozen=True)
@@ -18,24 +46,6 @@ class BatchConfig:
         "Requests a batch job keeps outstanding at once (in the local engine, or on the "
         "cluster's controller: its queue stays bounded for online traffic, and a long input "
         "is never held in memory)."))
-    max_num_batched_tokens: int = setting(8192, ge=1, description=(
-        "Step budget of an offline batch job (local, or on a controller the job starts) "
-        "unless scheduler.max_num_batched_tokens or a budget file is set: no one waits on "
-        "a token, so a step as large as vLLM's offline default amortizes weight reads "
-        "instead of meeting an ITL SLO."))
-    max_concurrent_chunks: int = setting(256, ge=1, description=(
-        "Prefill chunks per step of an offline batch job (local, or on a controller the "
-        "job starts) unless scheduler.max_concurrent_chunks is set: every short prompt is "
-        "a chunk, and the interactive limit would admit a batch of short prompts a few "
-        "per step while the step budget sits unused."))
-    worker_num_threads: int | None = setting(-2, description=(
-        "torch threads of the CPU worker that a job's own controller starts, unless "
-        "worker.num_threads is set, counted as worker.num_threads counts: the default -2 "
-        "is every core of its node but one (an offline job is that node's work; the one "
-        "left is the job's driver's and controller's: on 2 cores the job ran as fast or "
-        "faster with its worker on one thread than on two, 1,742 vs 1,570 tok/s in one "
-        "run); None keeps worker.num_threads' default (the CPUs Ray reserves for the "
-        "worker)."))
     start_timeout_s: float = setting(600.0, gt=0, description=(
         "How long a batch job on the cluster waits for the controller's workers to come up "
         "(a job that starts its own controller loads the model first). Was "
@@ -44,7 +54,55 @@ class BatchConfig:
     rows_per_shard: int = setting(10_000, ge=1, description=(
         "Output lines per shard file of `--ray-data` (a shard is closed and listed in the "
         "manifest when full)."))
+    overrides: dict[str, dict[str, Any]] = setting(  # noqa: RUF009 a field spec
+        default_factory=lambda: {s: dict(f) for s, f in DEFAULT_OVERRIDES.items()},
+        description=(
+            "The batch profile: {section: {field: value}} a batch job runs with instead of "
+            "the section's own value, unless that field was given (keyword, serve.yaml args, "
+            "environment, CLI flag; a budget file counts as giving the step budget). Merged "
+            "over the default profile, {scheduler: {max_num_batched_tokens: 8192, "
+            "max_concurrent_chunks: 256}, worker: {num_threads: -2}}: the offline step "
+            "(with the profile's budget the automatic calibration is off: it plans for an "
+            "ITL SLO no one waits on) and, for the worker of a controller the job starts, "
+            "every core of its node but one. Keys are the sections' own fields, checked at "
+            "start (TOKENFLOW_BATCH__OVERRIDES__SCHEDULER__MAX_NUM_BATCHED_TOKENS=4096). "
+            "Was batch.max_num_batched_tokens, batch.max_concurrent_chunks and "
+            "batch.worker_num_threads."))
 
     def __post_init__(self) -> None:
         check_settings(self)
-        check_thread_count("batch.worker_num_threads", self.worker_num_threads)
+        merged = {s: dict(f) for s, f in DEFAULT_OVERRIDES.items()}
+        for section, fields in self.overrides.items():
+            merged[section] = {**merged.get(section, {}), **fields}
+        object.__setattr__(self, "overrides", merged)
+
+
+@functools.cache
+def _adapter(section_type: type) -> TypeAdapter[Any]:
+    return TypeAdapter(section_type)  # built once per section class: it costs milliseconds
+
+
+def check_overrides(overrides: Mapping[str, Mapping[str, Any]],
+                    sections: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """The profile with its values as the sections validate them (`sections`: name -> the
+    configured section object). ValueError naming `batch.overrides.SECTION[.FIELD]` when a
+    section or field does not exist or a value is out of its bounds."""
+    checked: dict[str, dict[str, Any]] = {}
+    for name, fields in overrides.items():
+        where = f"batch.overrides.{name}"
+        section = sections.get(name)
+        if section is None or not dataclasses.is_dataclass(section):
+            raise ValueError(f"{where}: no such section (one of {', '.join(sorted(sections))})")
+        known = {f.name for f in dataclasses.fields(section)}
+        for field in fields:
+            if field not in known:
+                raise ValueError(f"{where}.{field}: {name} has no such setting")
+        try:
+            profiled = _adapter(type(section)).validate_python(
+                {**dataclasses.asdict(section), **fields})
+        except ValidationError as err:
+            reasons = "; ".join(".".join([where, *map(str, e["loc"])]) + f": {e['msg']}"
+                                for e in err.errors(include_url=False))
+            raise ValueError(reasons) from None
+        checked[name] = {field: getattr(profiled, field) for field in fields}
+    return checked

@@ -35,7 +35,8 @@ from typing import Any
 from cluster.config import TokenflowConfig
 from cluster.workers_cli import add_parser as add_workers_parser
 from cluster.workers_cli import run_workers
-from controller.budget import QUICK_RUN, BudgetTable
+from controller.budget import BudgetTable
+from controller.calibration import QUICK_RUN
 from workers.budget_file import load_budget_table, validate_budget
 
 
@@ -88,8 +89,7 @@ def make_spec(args: argparse.Namespace, cfg: TokenflowConfig) -> Any:
     cal = cfg.calibration
     from workers.calibrate import CalibrationSpec  # torch only when measuring
 
-    grid = cfg.calibration_grid()
-    grid = grid.quick() if args.quick else grid
+    grid = cal.quick() if args.quick else cal
     overrides = {name: getattr(args, name) for name in (
         "warmup", "iters", "max_tokens", "contexts", "decode_batches", "matmul_size",
         "bandwidth_bytes")}
@@ -114,8 +114,7 @@ def measure(spec: Any, cfg: TokenflowConfig, itl_slo_ms: float | None, progress:
         if sized else None
     measured = Calibrator(spec, progress=progress, sizing=sizing,
                           report=lambda line: print(line, flush=True)).run()
-    return BudgetTable.fitted(measured, dataclasses.replace(cfg.budget_fit(),
-                                                            itl_slo_ms=itl_slo_ms))
+    return BudgetTable.fitted(measured, cal, itl_slo_ms)
 
 
 def _symmetric(new: float, old: float) -> float:
@@ -182,7 +181,7 @@ def run_calibrate(args: argparse.Namespace, cfg: TokenflowConfig) -> int:
         print(f"tokenflow calibrate: {args.out} exists; pass --force to overwrite it, or "
               f"--out another path", file=sys.stderr)
         return 2
-    slo = args.itl_slo_ms if args.itl_slo_ms is not None else cfg.calibration.itl_slo_ms
+    slo = args.itl_slo_ms if args.itl_slo_ms is not None else cfg.slo.itl_ms
     table = measure(make_spec(args, cfg), cfg, slo, not args.no_progress,
                     sized=not args.quick and not args.no_size)
     args.out.parent.mkdir(parents=True, exist_ok=True)

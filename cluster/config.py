@@ -15,26 +15,31 @@ an error naming the key: in keyword arguments (serve.yaml `args`), in nested sec
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import os
 import typing
-from pathlib import Path
+from collections.abc import Iterable
 from typing import Any
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     SecretStr,
     ValidationError,
     model_validator,
 )
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from cluster.batch_config import BatchConfig
+from cluster.batch_config import BatchConfig, check_overrides
 from cluster.metrics import MetricsConfig
+from cluster.renames import check_moved, moved_env
 from controller.autoscale import ScalingConfig
-from controller.budget import AutoBudget, BudgetFit, BudgetTable, CalibrationGrid
+from controller.budget import AutoBudget, BudgetTable
+from controller.calibration import CalibrationConfig
 from controller.flow import FlowConfig
 from controller.journal import JournalConfig
 from controller.options import (
@@ -47,6 +52,7 @@ from controller.options import (
 from controller.protections import ProtectionConfig
 from controller.recovery import RecoveryConfig
 from controller.scheduler import SchedulerConfig
+from controller.slo import SloConfig
 from controller.worker_state import DegradedConfig
 
 ENV_PREFIX = "TOKENFLOW_"
@@ -61,102 +67,6 @@ OTHER_ENV_VARS = frozenset({
     "TOKENFLOW_BENCH_THREADS", "TOKENFLOW_BENCH_ITL_SLO_MS",  # benchmarks
     API_KEYS_ENV,  # API keys, read by the HTTP edge (`api_keys_from_env`)
 })
-
-
-class CalibrationConfig(BaseModel):
-    """Token budget calibration (`tokenflow calibrate`) and the budget file it writes."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    budget_file: Path | None = Field(None, description=(
-        "Budget table written by `tokenflow calibrate`. When set, "
-        "scheduler.max_num_batched_tokens comes from its recommendation for itl_slo_ms "
-        "unless that is set explicitly, and its cost model sizes each chunk under the SLO. "
-        "A table measured for another model is refused (see allow_other_model)."))
-    explicit_budget: bool | None = Field(None, description=(
-        "Whether scheduler.max_num_batched_tokens was set (keyword, serve.yaml args, "
-        "environment) rather than defaulted: then it is the step budget, and neither the "
-        "automatic calibration nor a budget file's recommendation replaces it. None: found "
-        "when the configuration is built (a dump carries the answer, so a rebuilt one "
-        "agrees)."))
-    allow_other_model: bool = Field(False, description=(
-        "Use a budget_file measured for another model than worker.model (its budget and "
-        "cost model are that model's: for experiments only). False: refused at start."))
-    auto: bool = Field(True, description=(
-        "Without budget_file: before serving, worker 0 (the in-process worker of a local "
-        "engine) loads the budget table of its model, device, dtype, threads, block size "
-        "and tile from cache_dir, or measures it on its own device with the `calibrate "
-        "--quick` grid (under 30 s for builtin:tiny on CPU) and caches it. False "
-        "(`--no-calibrate`): the fixed scheduler budget and the per-token cost model."))
-    cache_dir: Path | None = Field(None, description=(
-        "Folder of the cached budget tables, on the worker's machine; None: "
-        "$TOKENFLOW_CACHE_DIR/budgets (~/.cache/tokenflow/budgets) of the worker's process."))
-    itl_slo_ms: float | None = Field(None, gt=0, description=(
-        "Inter-token-latency SLO (ms) the budget is planned for: no step predicted longer. "
-        "None: derived from the measured step costs: the step in which a chunk riding with "
-        "the planned decodes prefills at chunk_efficiency of the best prefill rate, and at "
-        "least twice the planned pure-decode step (controller/budget.py derived_slo_ms), so "
-        "prefill keeps near full speed while no decode gap exceeds a few decode steps."))
-    weight_bits: int | None = Field(None, ge=1, le=32, description=(
-        "Bits per weight in the bandwidth constraint (INT4/INT8 scale the weight term by "
-        "bits/16); None: the dtype's bits."))
-    tile_tokens: int = Field(16, ge=1, description=(
-        "Query tile of the attention kernel: chunk sizes are multiples of it and of "
-        "cache.block_size, and every cost pads token counts up to it."))
-    bandwidth_headroom: float = Field(0.15, ge=0, lt=1, description=(
-        "Share of the measured memory bandwidth a step leaves free (>= 15 %)."))
-    chunk_efficiency: float = Field(0.9, gt=0, le=1, description=(
-        "Chunk size: the smallest grid size reaching this share of the best predicted "
-        "prefill throughput within the budget (smaller chunks pay the per-step cost often)."))
-    plan_context_tokens: int | None = Field(None, ge=0, description=(
-        "Context depth the budget is planned at; None: the deepest calibrated depth in the "
-        "file's own recommendation, depth 0 for the running scheduler (its cost model "
-        "shrinks deeper chunks step by step)."))
-    plan_decodes: int | None = Field(None, ge=0, description=(
-        "Decodes a step may carry besides its chunk when the budget is planned (every mix "
-        "up to this stays under the SLO); None: the largest calibrated decode batch."))
-    plan_decode_context_tokens: int | None = Field(None, ge=0, description=(
-        "Context the planned decodes are priced at (where running requests decode, not the "
-        "chunk's depth); None: the deepest calibrated decode context."))
-    warmup: int = Field(5, ge=0, description=(
-        "Calibration runs discarded per point (5: the first runs pay for compilation and "
-        "caches)."))
-    iters: int = Field(20, ge=1, description=(
-        "Calibration runs averaged per point after the warm-up (20)."))
-    max_tokens: int = Field(8192, ge=1, description=(
-        "Largest prefill chunk calibrated; the grid doubles from the chunk unit up to it."))
-    contexts: tuple[int, ...] = Field((0, 1024, 4096), description=(
-        "Context depths the prefill chunks are calibrated at (JSON list in the env)."))
-    decode_batches: tuple[int, ...] = Field((1, 8, 32), description=(
-        "Decode batch sizes calibrated (JSON list in the env)."))
-    decode_contexts: tuple[int, ...] = Field((128, 1024), description=(
-        "Cached tokens per request in the decode calibration: at least two depths, so the "
-        "per-token and per-pair decode costs can be told apart (JSON list in the env)."))
-    matmul_size: int = Field(2048, ge=1, description=(
-        "Edge of the square GEMM whose FLOP/s is the compute constraint's peak (large enough "
-        "to saturate the device: 2048 suits a CPU, a large GPU wants 8192)."))
-    bandwidth_bytes: int = Field(256 * 2**20, ge=1, description=(
-        "Buffer copied by the memory-bandwidth probe; must be far above the last-level cache."))
-    memory_fraction: float = Field(0.9, gt=0, le=1, description=(
-        "Share of the device's total memory that weights plus KV blocks may take."))
-    check_tolerance: float = Field(0.10, gt=0, description=(
-        "`tokenflow calibrate --check` fails when a quantity drifted more than this plus "
-        "its allowance for noise (symmetric: max(new/old, old/new) - 1) from the table."))
-    check_noise_factor: float = Field(2.0, ge=0, description=(
-        "The noise allowance of `--check`: this many times the larger of the two runs' "
-        "measured spread of a quantity (the relative interquartile range of its samples, "
-        "median over points), added to check_tolerance."))
-    max_duration_s: float = Field(150.0, gt=0, description=(
-        "`tokenflow calibrate` (not --quick, not --check) sizes its grid to finish the "
-        "sweep in about this long on this device: after a pilot it lowers iters to "
-        "min_iters and warmup to 1, then drops the largest chunk sizes (keeping "
-        "min_chunk_sizes) and the deepest contexts (keeping one) until the estimate fits. "
-        "The estimate is printed before the sweep."))
-    min_iters: int = Field(10, ge=1, description=(
-        "Fewest runs kept per point when the grid is sized to max_duration_s."))
-    min_chunk_sizes: int = Field(3, ge=2, description=(
-        "Fewest prefill chunk sizes kept when the grid is sized to max_duration_s (the fit "
-        "needs several)."))
 
 
 class ApiKey(BaseModel):
@@ -288,6 +198,23 @@ def _is_known(key: str) -> bool:
     return not deeper or typing.get_origin(fields[name]) is dict
 
 
+def _decode_json(section: str, values: Any) -> Any:
+    """A section's lists and maps given as JSON text (`TOKENFLOW_CALIBRATION__CONTEXTS='[0,
+    512]'`), decoded: pydantic-settings decodes them in models' fields, not dataclasses'."""
+    field = TokenflowConfig.model_fields.get(section)
+    fields = _section_fields(field.annotation) if field is not None else None
+    if not isinstance(values, dict) or not fields:
+        return values
+    decoded = dict(values)
+    for name, value in values.items():
+        kinds = {typing.get_origin(a) for a in (fields.get(name), *typing.get_args(
+            fields.get(name)))}
+        if isinstance(value, str) and kinds & {tuple, list, dict}:
+            with contextlib.suppress(ValueError):
+                decoded[name] = json.loads(value)
+    return decoded
+
+
 def check_env(environ: dict[str, str] | None = None) -> None:
     """Raise ValueError naming every `TOKENFLOW_*` variable that sets no field
     (pydantic-settings would ignore it silently)."""
@@ -295,15 +222,48 @@ def check_env(environ: dict[str, str] | None = None) -> None:
     unknown = [name for name in environ if name.upper().startswith(ENV_PREFIX)
                and name.upper() not in OTHER_ENV_VARS
                and not _is_known(name[len(ENV_PREFIX):].lower())]
-    if unknown:
-        raise ValueError(f"unknown configuration variable(s) {', '.join(sorted(unknown))}: "
-                         f"set sections' fields as {ENV_PREFIX}<SECTION>"
-                         f"{ENV_NESTED_DELIMITER}<FIELD>")
+    moved = {n: moved_env(n.upper(), ENV_PREFIX, ENV_NESTED_DELIMITER) for n in unknown}
+    renamed = sorted(m for m in moved.values() if m)
+    problems = [f"renamed configuration variable(s): {'; '.join(renamed)}"] if renamed else []
+    if unknown := [n for n in unknown if not moved[n]]:
+        problems.append(f"unknown configuration variable(s) {', '.join(sorted(unknown))}: "
+                        f"set sections' fields as {ENV_PREFIX}<SECTION>"
+                        f"{ENV_NESTED_DELIMITER}<FIELD>")
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+def given_settings(data: dict[str, Any], environ: dict[str, str]) -> frozenset[str]:
+    """`section.field` of every setting given rather than defaulted: keyword arguments (of
+    a section object, the fields off their defaults) and `TOKENFLOW_*` variables."""
+    given: set[str] = set()
+    for section, values in data.items():
+        if isinstance(values, dict):
+            given.update(f"{section}.{name}" for name in values)
+        elif dataclasses.is_dataclass(values) and not isinstance(values, type):
+            default = type(values)()
+            given.update(f"{section}.{f.name}" for f in dataclasses.fields(values)
+                         if getattr(values, f.name) != getattr(default, f.name))
+    for name, value in environ.items():
+        key = name.upper()
+        if not key.startswith(ENV_PREFIX) or key in OTHER_ENV_VARS:
+            continue
+        section, _, rest = key[len(ENV_PREFIX):].lower().partition(ENV_NESTED_DELIMITER)
+        if rest:
+            given.add(f"{section}.{rest.partition(ENV_NESTED_DELIMITER)[0]}")
+            continue
+        with contextlib.suppress(ValueError):  # a whole section as JSON
+            values = json.loads(value)
+            given.update(f"{section}.{k}" for k in values if isinstance(values, dict))
+    return frozenset(given)
 
 
 class TokenflowConfig(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid",
                                       env_nested_delimiter=ENV_NESTED_DELIMITER)
+    # The settings given rather than defaulted (`is_given`): a batch profile's override
+    # yields to them.
+    _given: frozenset[str] = PrivateAttr(default_factory=frozenset)
 
     worker: WorkerConfig = Field(default_factory=WorkerConfig, description=(
         "The model and the worker actors that run it."))
@@ -331,23 +291,60 @@ class TokenflowConfig(BaseSettings):
         "The HTTP edge: body and nesting limits, API keys, priority bounds, text threads."))
     batch: BatchConfig = Field(default_factory=BatchConfig, description=(
         "Offline batch jobs: requests in flight, step budget, start-up wait, shard size."))
+    slo: SloConfig = Field(default_factory=SloConfig, description=(
+        "Latency objectives: the ITL SLO steps are planned for, the TTFT SLO line, and the "
+        "planning headroom under the ITL SLO."))
     scaling: ScalingConfig = Field(default_factory=ScalingConfig, description=(
         "The elastic worker pool: load-driven growth and shrinking within "
         "min_workers..max_workers (off by default), drain timeout."))
 
     def __init__(self, **data: Any) -> None:
         check_env()
+        given = given_settings(data, dict(os.environ))
         super().__init__(**data)
+        self._given = given
+
+    @model_validator(mode="after")
+    def _check_batch_profile(self) -> TokenflowConfig:
+        sections = {name: getattr(self, name) for name in type(self).model_fields
+                    if name != "batch"}
+        checked = check_overrides(self.batch.overrides, sections)
+        if checked != self.batch.overrides:  # as the sections validate them ("8" -> 8)
+            self.batch = dataclasses.replace(self.batch, overrides=checked)
+        return self
+
+    def __eq__(self, other: object) -> bool:
+        # The settings, not how they were given: a configuration rebuilt from its dump is it.
+        return isinstance(other, TokenflowConfig) and self.__dict__ == other.__dict__
+
+    def is_given(self, dotted: str) -> bool:
+        """Whether `section.field` was given (keyword, serve.yaml args, environment)."""
+        return dotted in self._given
+
+    def with_batch_profile(self, sections: Iterable[str],
+                           also_given: Iterable[str] = ()) -> TokenflowConfig:
+        """This configuration as a batch job runs it: `batch.overrides` of `sections` on
+        each setting that was not given (nor is in `also_given`)."""
+        kept = self._given | set(also_given)
+        update = {}
+        for section in sections:
+            fields = {name: value for name, value in self.batch.overrides.get(section, {})
+                      .items() if f"{section}.{name}" not in kept}
+            if fields:
+                update[section] = dataclasses.replace(getattr(self, section), **fields)
+        return self.model_copy(update=update)
 
     @model_validator(mode="before")
     @classmethod
     def _find_explicit_budget(cls, data: Any) -> Any:
         # Runs on the arguments merged with the environment (pydantic-settings' sources).
+        check_moved(data)  # an old name fails naming its new home
         if not isinstance(data, dict):
             return data
+        data = {k: _decode_json(k, v) for k, v in data.items()}
         cal = data.get("calibration")
         if isinstance(cal, CalibrationConfig):
-            cal = cal.model_dump()
+            cal = dataclasses.asdict(cal)
         cal = dict(cal or {})
         if cal.get("explicit_budget") is None:
             cal["explicit_budget"] = sets_budget(data.get("scheduler"))
@@ -370,33 +367,13 @@ class TokenflowConfig(BaseSettings):
             check_model(table, self.worker.model, str(cal.budget_file))
         return table
 
-    def calibration_grid(self) -> CalibrationGrid:
-        """What `tokenflow calibrate` measures by default (`.quick()`: `--quick`)."""
-        cal = self.calibration
-        return CalibrationGrid(
-            warmup=cal.warmup, iters=cal.iters, max_tokens=cal.max_tokens,
-            contexts=cal.contexts, decode_batches=cal.decode_batches,
-            decode_contexts=cal.decode_contexts, matmul_size=cal.matmul_size,
-            bandwidth_bytes=cal.bandwidth_bytes, memory_fraction=cal.memory_fraction)
-
-    def budget_fit(self) -> BudgetFit:
-        cal = self.calibration
-        return BudgetFit(
-            itl_slo_ms=cal.itl_slo_ms, bandwidth_headroom=cal.bandwidth_headroom,
-            chunk_efficiency=cal.chunk_efficiency, plan_context_tokens=cal.plan_context_tokens,
-            plan_decodes=cal.plan_decodes,
-            plan_decode_context_tokens=cal.plan_decode_context_tokens,
-            weight_bits=cal.weight_bits)
-
     def auto_budget(self) -> AutoBudget | None:
         """The short calibration worker 0 loads or runs at start (calibration.auto without
         a budget file), or None."""
         cal = self.calibration
         if cal.budget_file is not None or not cal.auto or self.budget_is_explicit:
             return None
-        return AutoBudget(grid=self.calibration_grid().quick(), tile_tokens=cal.tile_tokens,
-                          fit=self.budget_fit(),
-                          cache_dir=None if cal.cache_dir is None else str(cal.cache_dir))
+        return AutoBudget(cal.quick(), self.slo.itl_ms)
 
     def scheduler_config(self, table: BudgetTable | None = None) -> SchedulerConfig:
         """A copy of `scheduler` (the comparison policies mutate theirs) with the budget
@@ -404,7 +381,7 @@ class TokenflowConfig(BaseSettings):
         by its cost model, not by one fixed size."""
         if table is None or self.budget_is_explicit:
             return dataclasses.replace(self.scheduler)
-        return budgeted_scheduler(self.scheduler, table, self.budget_fit(), self.cache)
+        return budgeted_scheduler(self.scheduler, table, self.calibration, self.slo, self.cache)
 
     def controller_options(self) -> ControllerOptions:
         """What the controller actor takes (it does not import this module). Measures
@@ -413,13 +390,13 @@ class TokenflowConfig(BaseSettings):
         options = ControllerOptions(
             worker=self.worker, cache=self.cache, scheduler=self.scheduler_config(),
             flow=self.flow, protections=self.protections, degraded=self.degraded,
-            cluster=self.cluster, recovery=self.recovery, journal=self.journal,
+            cluster=self.cluster, recovery=self.recovery, journal=self.journal, slo=self.slo,
             scaling=self.scaling, auto_budget=self.auto_budget())
         table = self.budget_table()
         if table is None:
             return options
         # The table's cost model either way; its budget only when none was set explicitly.
-        return dataclasses.replace(options.with_budget_table(table, self.budget_fit()),
+        return dataclasses.replace(options.with_budget_table(table, self.calibration),
                                    scheduler=self.scheduler_config(table))
 
 

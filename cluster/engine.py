@@ -52,7 +52,7 @@ class LocalEngine:
             result = worker_budget_table(self.worker, wcfg.model, wcfg.dtype, auto,
                                          progress=True)
             self.worker.reset()
-            options = options.with_budget_table(BudgetTable(result.data), auto.fit)
+            options = options.with_budget_table(BudgetTable(result.data), auto.calibration)
         self.options = options
         self.core = ControllerCore.for_workers(options, [self.worker], clock or time.monotonic)
         # scheduler.async_scheduling: the next step is planned and launched while the

@@ -259,10 +259,7 @@ class OpenAIServer:
                                           self.config.cluster.ready_wait_s)
         except Exception as err:
             return self.unavailable(err)
-        # The configured SLO, else the controller's (derived from its budget table).
-        configured = self.config.calibration.itl_slo_ms
-        itl_slo_s = configured / 1e3 if configured is not None else snap.itl_slo_s
-        body = render(snap, self.config.metrics, itl_slo_s or 0.0)
+        body = render(snap, self.config.metrics, self.config.slo)
         body += render_edge(self._frontend).encode()
         return Response(body, media_type=CONTENT_TYPE)
 

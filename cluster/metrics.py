@@ -30,6 +30,7 @@ from controller.histogram import HistogramSnapshot
 from controller.pool import SCALE_EVENT_LABELS, WORKER_STATES
 from controller.request_metrics import CIRCUIT_BREAKER, QUEUE_FULL, MetricsSnapshot
 from controller.settings import FORBID_EXTRA, check_settings, setting
+from controller.slo import SloConfig
 from controller.worker_stats import WorkerStats
 
 PREFIX = "tokenflow_"
@@ -39,16 +40,13 @@ OTHER_TENANT = "other"
 
 @dataclass(frozen=True)
 class MetricsConfig:
-    """The `/metrics` exporter and the dashboard's reference lines (`metrics:`)."""
+    """The `/metrics` exporter (`metrics:`); the dashboard's SLO lines are the `slo:` section's."""
 
     __pydantic_config__ = FORBID_EXTRA
 
     max_tenant_labels: int = setting(16, ge=1, description=(
         "Tenants with their own `tenant` label (the most prefill tokens first); the rest "
         "fold into `other`, so the series count stays bounded."))
-    ttft_slo_s: float = setting(2.0, gt=0, description=(
-        "Time-to-first-token SLO, exported as tokenflow_ttft_slo_seconds: the dashboard's "
-        "threshold line (the ITL line is calibration.itl_slo_ms)."))
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -97,7 +95,7 @@ class _Families:
 
 
 def metric_families(snap: MetricsSnapshot, config: MetricsConfig,
-                    itl_slo_s: float) -> list[Metric]:
+                    slo: SloConfig) -> list[Metric]:
     f = _Families()
     req = snap.requests
     for name, doc, hist in (
@@ -130,11 +128,12 @@ def metric_families(snap: MetricsSnapshot, config: MetricsConfig,
               "prefill cap.").add_metric([], req.rejection_to_count.get(CIRCUIT_BREAKER, 0))
     f.counter("queue_full_rejections", "Requests refused with 429: every waiting queue "
               "full.").add_metric([], req.rejection_to_count.get(QUEUE_FULL, 0))
-    f.gauge("ttft_slo_seconds", "The configured TTFT SLO (metrics.ttft_slo_s).").add_metric(
-        [], config.ttft_slo_s)
-    f.gauge("itl_slo_seconds", "The ITL SLO steps are planned for (calibration.itl_slo_ms, "
-            "or the one derived from the budget table).").add_metric(
-        [], itl_slo_s)
+    f.gauge("ttft_slo_seconds", "The configured TTFT SLO (slo.ttft_s).").add_metric(
+        [], slo.ttft_s)
+    # The configured ITL SLO, else the controller's (derived from its budget table).
+    itl_slo_s = slo.itl_ms / 1e3 if slo.itl_ms is not None else snap.itl_slo_s
+    f.gauge("itl_slo_seconds", "The ITL SLO steps are planned for (slo.itl_ms, or the one "
+            "derived from the budget table).").add_metric([], itl_slo_s or 0.0)
     ids = snap.worker_ids or list(range(len(snap.workers)))
     _worker_families(f, snap.workers, ids)
     node = f.gauge("worker_node", "1 for the Ray node each worker runs on (one series per "
@@ -260,9 +259,9 @@ class _SnapshotCollector:
         return iter(self._families)
 
 
-def render(snap: MetricsSnapshot, config: MetricsConfig, itl_slo_s: float) -> bytes:
+def render(snap: MetricsSnapshot, config: MetricsConfig, slo: SloConfig) -> bytes:
     """The exposition text of one snapshot (a fresh registry: nothing is kept between
     scrapes, so replicas cannot drift apart)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_SnapshotCollector(metric_families(snap, config, itl_slo_s)))
+    registry.register(_SnapshotCollector(metric_families(snap, config, slo)))
     return generate_latest(registry)

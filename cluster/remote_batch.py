@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TextIO
 
 from cluster import protocol as p
+from cluster.batch_config import OWN_CONTROLLER_SECTIONS
 from cluster.batch_io import (
     Progress,
     count_answer,
@@ -56,16 +57,10 @@ def connect_controller(config: TokenflowConfig) -> Any:
 
 
 def own_controller_config(config: TokenflowConfig) -> TokenflowConfig:
-    """The configuration of a controller this job starts for itself: its CPU worker takes
-    batch.worker_num_threads unless worker.num_threads is set (a serving cluster's
-    controller keeps its own)."""
-    import dataclasses
-
-    worker, threads = config.worker, config.batch.worker_num_threads
-    if worker.num_threads is not None or threads is None:
-        return config
-    return config.model_copy(
-        update={"worker": dataclasses.replace(worker, num_threads=threads)})
+    """The configuration of a controller this job starts for itself: the batch profile's
+    worker overrides (its CPU worker's threads) on each setting not given (a serving
+    cluster's controller keeps its own)."""
+    return config.with_batch_profile(OWN_CONTROLLER_SECTIONS)
 
 
 def run_remote(lines: Iterable[str], out: TextIO, config: TokenflowConfig,

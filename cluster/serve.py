@@ -185,9 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     # instead of swapping in the machine's, so its agents and metrics export bind loopback.
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
-    from ray import serve
 
-    from cluster.ingress import build_app
     from controller.actor import get_or_create_controller
 
     args = parse_args(argv)
@@ -220,12 +218,22 @@ def main(argv: list[str] | None = None) -> int:
         if config.auto_budget() is not None:  # the controller logs its progress every 10 s
             print("starting: worker 0 loads its step budget table from the cache or, on a "
                   "first start, measures it (a short run)", flush=True)
-        info = ray.get(controller.model_info.remote())
+        info_ref = controller.model_info.remote()
+        # Imported only now, while the controller's and the workers' processes start: Serve
+        # and the ingress's web stack are seconds of imports on a small machine.
+        from ray import serve
+
+        from cluster.ingress import build_app
+
+        # Serve's proxy and the ingress start while the workers load: the two are the
+        # longest parts of a start and independent (until the controller answers, the
+        # ingress says 503 with Retry-After and /health says why).
         serve.start(http_options={"host": config.cluster.host, "port": config.cluster.port})
         # serve.run finds the Serve instance started just above and says so at INFO, which
         # on a fresh start reads as if another server were running.
         logging.getLogger("ray.serve").addFilter(_DropMessage("Connecting to existing Serve"))
         serve.run(build_app(config.model_dump()), name="tokenflow", route_prefix="/")
+        info = ray.get(info_ref)
         url = f"http://{config.cluster.host}:{config.cluster.port}"
         print(f"tokenflow serving {config.worker.model_name} with {info['num_workers']} worker(s) "
               f"on {', '.join(info['devices'])}", flush=True)
@@ -244,8 +252,9 @@ def main(argv: list[str] | None = None) -> int:
         # The app is deleted (its replicas drain) and Ray stops with everything else: the
         # local cluster is this process's. Not serve.shutdown(): it kills Serve's
         # controller under its own graceful_shutdown call, which Ray logs as a failed task.
-        with contextlib.suppress(Exception):  # Serve may never have started
-            serve.delete("tokenflow")
+        if "ray.serve" in sys.modules:  # else Serve never started
+            with contextlib.suppress(Exception):
+                sys.modules["ray.serve"].delete("tokenflow")
         if args.ray_address and controller is not None:
             # A joined cluster outlives this process: its detached workers must not.
             with contextlib.suppress(Exception):

@@ -37,13 +37,14 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass
 from itertools import combinations
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from controller.calibration import CalibrationConfig
 from controller.step_cost import LinearFit, StepCost, chunk_pairs, pad
 
 SCHEMA_VERSION = 1  # of the budget file; workers/budget_file.py validates files on load
@@ -90,70 +91,19 @@ def _fit_summary(model_rows: list[list[float]], times: list[float]) -> dict[str,
             "max_rel_error": max(errors)}
 
 
-@dataclass(frozen=True)
-class QuickRun:
-    """The short calibration (`tokenflow calibrate --quick` and the automatic one at start,
-    one definition for both): fewer samples, chunks up to 512 tokens, two depths, two decode
-    batches. The probes, decode contexts and memory fraction stay the configured ones (the
-    decode fit needs two contexts; a smaller bandwidth buffer would measure a cache)."""
-
-    warmup: int = 1  # rounds discarded per point
-    iters: int = 3  # rounds kept per point
-    max_tokens: int = 512  # largest prefill chunk measured
-    contexts: tuple[int, ...] = (0, 256)  # prefill depths
-    decode_batches: tuple[int, ...] = (1, 8)
-
-
-QUICK_RUN = QuickRun()
 # The derived ITL SLO is never under this many pure-decode steps (room for a chunk at all).
 MIN_SLO_DECODE_MULTIPLE = 2.0
 
 
 @dataclass(frozen=True)
-class CalibrationGrid:
-    """What a calibration measures, apart from the worker that runs it (model, dtype,
-    device, block size, tile, threads): samples per point, the chunk grid's top, depths,
-    batches and probe sizes (`calibration:` fields of the same names)."""
-
-    warmup: int
-    iters: int
-    max_tokens: int
-    contexts: tuple[int, ...]
-    decode_batches: tuple[int, ...]
-    decode_contexts: tuple[int, ...]
-    matmul_size: int
-    bandwidth_bytes: int
-    memory_fraction: float
-
-    def quick(self, run: QuickRun = QUICK_RUN) -> CalibrationGrid:
-        return replace(self, **asdict(run))
-
-
-@dataclass(frozen=True)
-class BudgetFit:
-    """How a measurement becomes a table and the running budget: the ITL SLO and the
-    planning limits (`calibration:` fields of the same names). Not part of what is
-    measured, so a cached measurement is re-fitted when they change, never re-measured."""
-
-    itl_slo_ms: float | None  # None: derived from the measured fits (`derived_slo_ms`)
-    bandwidth_headroom: float
-    chunk_efficiency: float
-    plan_context_tokens: int | None = None
-    plan_decodes: int | None = None
-    plan_decode_context_tokens: int | None = None
-    weight_bits: int | None = None  # None: the measured dtype's bits
-
-
-@dataclass(frozen=True)
 class AutoBudget:
     """The controller's order to worker 0 at start: the table of its own model, device,
-    dtype, threads and block size on `grid`, from `cache_dir` or measured there and cached,
-    fitted with `fit`."""
+    dtype, threads and block size on `calibration`'s grid (the short run's), from its
+    cache_dir or measured there and cached, fitted with its planning limits for
+    `itl_slo_ms`."""
 
-    grid: CalibrationGrid
-    tile_tokens: int
-    fit: BudgetFit
-    cache_dir: str | None  # None: the worker's $TOKENFLOW_CACHE_DIR/budgets
+    calibration: CalibrationConfig
+    itl_slo_ms: float | None  # slo.itl_ms (None: derived)
 
 
 @dataclass(frozen=True)
@@ -256,17 +206,19 @@ class BudgetTable:
         return cls(data)
 
     @classmethod
-    def fitted(cls, measured: dict[str, Any], fit: BudgetFit) -> BudgetTable:
-        """`build` with `fit`'s numbers; `measured` may be a whole table (its fits, limits
-        and recommendation are replaced), so a cached table is re-fitted without measuring."""
+    def fitted(cls, measured: dict[str, Any], cal: CalibrationConfig,
+               itl_slo_ms: float | None) -> BudgetTable:
+        """`build` with the calibration section's planning limits for `itl_slo_ms` (None:
+        derived); `measured` may be a whole table (its fits, limits and recommendation are
+        replaced), so a cached table is re-fitted without measuring."""
         stats = measured["model_stats"]
-        bits = fit.weight_bits or stats["measured_weight_bits"]
+        bits = cal.weight_bits or stats["measured_weight_bits"]
         return cls.build({**measured, "model_stats": {**stats, "weight_bits": bits}},
-                         itl_slo_ms=fit.itl_slo_ms, bandwidth_headroom=fit.bandwidth_headroom,
-                         chunk_efficiency=fit.chunk_efficiency,
-                         plan_context_tokens=fit.plan_context_tokens,
-                         plan_decodes=fit.plan_decodes,
-                         plan_decode_context_tokens=fit.plan_decode_context_tokens)
+                         itl_slo_ms=itl_slo_ms, bandwidth_headroom=cal.bandwidth_headroom,
+                         chunk_efficiency=cal.chunk_efficiency,
+                         plan_context_tokens=cal.plan_context_tokens,
+                         plan_decodes=cal.plan_decodes,
+                         plan_decode_context_tokens=cal.plan_decode_context_tokens)
 
     def refit(self, observations: Sequence[tuple[int, int, float]]) -> BudgetTable:
         """A table whose prefill model is re-fitted on live (tokens, context, seconds)

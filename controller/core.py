@@ -109,7 +109,7 @@ class ControllerCore(Routing, Stepping):
                                 itl_slo_s=options.itl_slo_s),
             FlowControl(options.flow, scheduler_config.max_concurrent_chunks),
             Protections(protection_config, chunk_cost), step_cost=step_cost,
-            refit=OnlineRefit(protection_config) if step_cost is not None else None)
+            refit=None if step_cost is None else OnlineRefit(protection_config, options.slo))
 
     def add_worker(self, pool: PoolSpec) -> int:
         """A worker joined (its model loaded): it takes new requests from now on. Returns

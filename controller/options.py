@@ -12,13 +12,15 @@ from dataclasses import dataclass, field, replace
 from typing import Literal, get_args, get_type_hints
 
 from controller.autoscale import ScalingConfig
-from controller.budget import AutoBudget, BudgetFit, BudgetTable, StepCost
+from controller.budget import AutoBudget, BudgetTable, StepCost
+from controller.calibration import CalibrationConfig
 from controller.flow import FlowConfig
 from controller.journal import JournalConfig
 from controller.protections import ProtectionConfig
 from controller.recovery import RecoveryConfig
 from controller.scheduler import SchedulerConfig
 from controller.settings import FORBID_EXTRA, check_settings, check_thread_count, setting
+from controller.slo import SloConfig
 from controller.worker_state import DegradedConfig
 
 
@@ -60,6 +62,16 @@ class WorkerConfig:
         "on first use); mixed steps run eagerly."))
     max_graph_batch: int = setting(256, ge=1, description=(
         "Largest decode batch replayed from a CUDA graph; larger ones run eagerly."))
+    cpu_packed_weights: bool = setting(True, description=(
+        "On a CPU fp32 worker, keep oneDNN-packed copies of the linear layers' weights "
+        "(decode GEMMs skip the per-call re-pack; costs one extra copy of those weights)."))
+    cpu_packed_min_rows: int = setting(8, ge=1, description=(
+        "Rows from which a packed layer calls its packed copy; fewer rows take the plain "
+        "GEMM, whose call overhead is lower."))
+    cpu_packed_min_elements: int = setting(1 << 17, ge=1, description=(
+        "Weights smaller than this (elements) are never packed."))
+    cpu_packed_any_rows_elements: int = setting(1 << 20, ge=1, description=(
+        "Weights of at least this many elements use the packed copy for any row count."))
     num_threads: int | None = setting(None, description=(
         "torch intra-op threads of a CPU worker (actor or LocalEngine). None: the "
         "process's default: as many as the CPUs Ray reserves for an actor "
@@ -195,6 +207,7 @@ class ControllerOptions:
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     journal: JournalConfig = field(default_factory=JournalConfig)
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
+    slo: SloConfig = field(default_factory=SloConfig)
     step_cost: StepCost | None = None  # a budget table's: chunks sized per step
     itl_slo_s: float | None = None  # what step_cost sizes chunks for
     worker_cls: str = "workers.actor:WorkerActor"  # "module:Class" of the worker actor
@@ -203,21 +216,22 @@ class ControllerOptions:
     # the four fields above are then replaced by `with_budget_table`.
     auto_budget: AutoBudget | None = None
 
-    def with_budget_table(self, table: BudgetTable, fit: BudgetFit) -> ControllerOptions:
-        """These options running on `table`: its budget for the SLO, its cost model."""
-        step_cost = table.step_cost()
-        return replace(self, scheduler=budgeted_scheduler(self.scheduler, table, fit, self.cache),
-                       step_cost=step_cost,
-                       itl_slo_s=table.slo_ms(fit.itl_slo_ms) / 1e3, auto_budget=None)
+    def with_budget_table(self, table: BudgetTable,
+                          cal: CalibrationConfig) -> ControllerOptions:
+        """These options running on `table`: its budget for the SLO (planned with `cal`'s
+        limits), its cost model."""
+        scheduler = budgeted_scheduler(self.scheduler, table, cal, self.slo, self.cache)
+        return replace(self, scheduler=scheduler, step_cost=table.step_cost(),
+                       itl_slo_s=table.slo_ms(self.slo.itl_ms) / 1e3, auto_budget=None)
 
 
-def budgeted_scheduler(scheduler: SchedulerConfig, table: BudgetTable, fit: BudgetFit,
-                       cache: CacheConfig) -> SchedulerConfig:
-    """`scheduler` with the table's budget for `fit`'s SLO (the table wins), planned at
-    depth 0 unless `fit` names one (the cost model shrinks deeper chunks step by step)."""
-    context = 0 if fit.plan_context_tokens is None else fit.plan_context_tokens
+def budgeted_scheduler(scheduler: SchedulerConfig, table: BudgetTable, cal: CalibrationConfig,
+                       slo: SloConfig, cache: CacheConfig) -> SchedulerConfig:
+    """`scheduler` with the table's budget for the ITL SLO (the table wins), planned at
+    depth 0 unless `cal` names one (the cost model shrinks deeper chunks step by step)."""
+    context = 0 if cal.plan_context_tokens is None else cal.plan_context_tokens
     budget, _ = table.recommend(
-        table.slo_ms(fit.itl_slo_ms), block_size=cache.block_size,
+        table.slo_ms(slo.itl_ms), block_size=cache.block_size,
         kv_capacity_tokens=cache.num_kv_blocks * cache.block_size, context=context,
-        decodes=fit.plan_decodes)
+        decodes=cal.plan_decodes)
     return replace(scheduler, max_num_batched_tokens=budget)

@@ -70,19 +70,6 @@ class ProtectionConfig:
         "cost model by more than deviation_threshold, the model is refitted on them."))
     refit_deviating_share: float = setting(0.75, gt=0, le=1, description=(
         "Share of the refit window's steps that must deviate to trigger a refit."))
-    slo_headroom_quantile: float = setting(1.0, gt=0, le=1, description=(
-        "Chunk-carrying steps are planned to itl_slo / h, h being this quantile of "
-        "measured / predicted step time over the last slo_headroom_window such steps "
-        "(clamped to [1, max_slo_headroom]): the P99 inter-token latency is set by the slow "
-        "steps, so the plan keeps the room that the model's error and the machine's noise "
-        "take. The default is the window's slowest step."))
-    slo_headroom_window: int = setting(64, ge=1, description=(
-        "Chunk-carrying steps whose measured / predicted time sets the headroom. A new step "
-        "exceeds the slowest of the last n with probability 1 / (n + 1): with 64, about one "
-        "step in 65 runs past the plan's room, what a P99 target allows (with 16, one in 17 "
-        "did, and the slowest steps of a long prefill went over the SLO)."))
-    max_slo_headroom: float = setting(1.3, ge=1, description=(
-        "Most headroom the plan keeps (a model that is off by more gets refitted instead)."))
 
     def __post_init__(self) -> None:
         check_settings(self)

@@ -11,7 +11,7 @@ then starts afresh, so one drift gives one refit; a refit that would not predict
 window better is dropped (noise, not drift).
 
 The same steps give the planning headroom: a high quantile of measured / predicted time
-over the last `slo_headroom_window` of them (`slo_headroom_quantile`), which the scheduler
+over the last `slo.headroom_window` of them (`slo.headroom_quantile`), which the scheduler
 divides the ITL SLO by, so that noisy steps, not only average ones, land under it.
 Torch-free.
 """
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from controller.budget import LinearFit, StepCost, chunk_pairs, fit_nonneg, pad
 from controller.protections import ProtectionConfig
 from controller.scheduler import StepShape
+from controller.slo import SloConfig
 
 logger = logging.getLogger("tokenflow.refit")
 
@@ -42,22 +43,22 @@ class StepSample:
 
 
 class OnlineRefit:
-    def __init__(self, config: ProtectionConfig) -> None:
-        self.config = config
+    def __init__(self, config: ProtectionConfig, slo: SloConfig) -> None:
+        self.config, self.slo = config, slo
         self.window: deque[tuple[StepSample, bool]] = deque(maxlen=config.refit_window)
         # measured / predicted of the last steps with chunks, against the current model
-        self.ratios: deque[float] = deque(maxlen=config.slo_headroom_window)
+        self.ratios: deque[float] = deque(maxlen=slo.headroom_window)
         self.num_refits = 0
 
     @property
     def headroom(self) -> float:
         """What the ITL SLO is divided by when chunks are planned (>= 1)."""
-        cfg = self.config
+        slo = self.slo
         if len(self.ratios) < MIN_HEADROOM_SAMPLES:
             return 1.0
         ordered = sorted(self.ratios)
-        quantile = ordered[min(len(ordered) - 1, int(cfg.slo_headroom_quantile * len(ordered)))]
-        return min(max(quantile, 1.0), cfg.max_slo_headroom)
+        quantile = ordered[min(len(ordered) - 1, int(slo.headroom_quantile * len(ordered)))]
+        return min(max(quantile, 1.0), slo.max_headroom)
 
     def observe(self, shape: StepShape, elapsed_s: float,
                 cost: StepCost) -> StepCost | None:

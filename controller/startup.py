@@ -200,7 +200,7 @@ class Startup:
             return dataclasses.replace(opts, auto_budget=None)
         finally:
             self.waiting_for, self.budget_started = None, None
-        resolved = opts.with_budget_table(BudgetTable(result.data), request.fit)
+        resolved = opts.with_budget_table(BudgetTable(result.data), request.calibration)
         self.budget_source = {
             "source": "measured" if result.is_measured else "cache", "path": result.path,
             "pid": result.pid, "measure_s": result.measure_s,

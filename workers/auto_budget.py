@@ -3,9 +3,9 @@ folder, or measured once on that worker's device by the short calibration and ca
 
 The controller asks worker 0 (`WorkerActor.budget_table`) before it builds its schedulers;
 `LocalEngine` asks its own worker. The measurement is `tokenflow calibrate --quick`'s grid
-(`QUICK_RUN`, one definition) on the serving worker itself where its KV pool is big enough
-(its weights, backend and CUDA graphs are what the table is for), with the worker's own
-thread count.
+(`CalibrationConfig.quick`, one definition) on the serving worker itself where its KV pool
+is big enough (its weights, backend and CUDA graphs are what the table is for), with the
+worker's own thread count.
 
 A cache entry is named by a hash of everything that changes the measurement: the whole
 `CalibrationSpec` (model name, dtype, device, threads, block size, tile, grid, probes), the
@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 
-from controller.budget import SCHEMA_VERSION, AutoBudget, AutoBudgetResult, BudgetFit, BudgetTable
+from controller.budget import SCHEMA_VERSION, AutoBudget, AutoBudgetResult, BudgetTable
+from controller.calibration import CalibrationConfig
 from workers.calibrate import CalibrationSpec, Calibrator, model_config_sha256
 from workers.worker import Worker
 
@@ -68,11 +69,13 @@ def cache_path(cache_dir: Path, spec: CalibrationSpec, identity: Mapping[str, st
     return cache_dir / f"{readable}-{digest}.json"
 
 
-def load_or_calibrate(spec: CalibrationSpec, identity: Mapping[str, str], fit: BudgetFit,
-                      cache_dir: Path | None, measure: Measure) -> AutoBudgetResult:
-    """The cached table of (spec, identity) fitted with `fit`, or `measure(spec)` written to
-    the cache first. Only a cache miss calls `measure`."""
-    path = cache_path(cache_dir or default_cache_dir(), spec, identity)
+def load_or_calibrate(spec: CalibrationSpec, identity: Mapping[str, str],
+                      cal: CalibrationConfig, itl_slo_ms: float | None,
+                      measure: Measure) -> AutoBudgetResult:
+    """The cached table of (spec, identity) in `cal.cache_dir` fitted with `cal`'s planning
+    limits for `itl_slo_ms`, or `measure(spec)` written to the cache first. Only a cache
+    miss calls `measure`."""
+    path = cache_path(cal.cache_dir or default_cache_dir(), spec, identity)
     key = cache_key(spec, identity)
     if path.exists():
         from workers.budget_file import load_budget_table
@@ -81,7 +84,7 @@ def load_or_calibrate(spec: CalibrationSpec, identity: Mapping[str, str], fit: B
             cached = load_budget_table(path)
             if cached.data.get("cache_key") != key:
                 raise ValueError("its stored key differs")
-            table = BudgetTable.fitted(cached.data, fit)
+            table = BudgetTable.fitted(cached.data, cal, itl_slo_ms)
             return AutoBudgetResult(table.data, str(path), False, 0.0, os.getpid())
         except (ValueError, KeyError) as err:  # an older format or a torn file: measure again
             logger.warning("ignoring cached budget table %s: %s", path, err)
@@ -91,7 +94,7 @@ def load_or_calibrate(spec: CalibrationSpec, identity: Mapping[str, str], fit: B
     started = time.perf_counter()
     measured = measure(spec)
     measure_s = time.perf_counter() - started
-    table = BudgetTable.fitted({**measured, "cache_key": key}, fit)
+    table = BudgetTable.fitted({**measured, "cache_key": key}, cal, itl_slo_ms)
     _save(table, path)
     logger.warning("budget table measured in %.1f s: %s", measure_s, path)
     return AutoBudgetResult(table.data, str(path), True, measure_s, os.getpid())
@@ -145,14 +148,14 @@ def worker_budget_table(worker: Worker, model: str, dtype: str, request: AutoBud
     process's torch threads. Measures on `worker` itself when its pool is large enough (else
     on a second, smaller one); no request is left on it. `measure`: instead of the
     calibrator (tests count its calls)."""
+    cal = request.calibration
     spec = CalibrationSpec.of(
-        request.grid, model=model, dtype=dtype, device=str(worker.device),
-        block_size=worker.block_size, tile_tokens=request.tile_tokens,
+        cal, model=model, dtype=dtype, device=str(worker.device),
+        block_size=worker.block_size, tile_tokens=cal.tile_tokens,
         threads=torch.get_num_threads())
 
     def calibrate(spec: CalibrationSpec) -> dict[str, Any]:
         return Calibrator(spec, progress=progress, worker=worker).run()
 
-    cache_dir = Path(request.cache_dir) if request.cache_dir is not None else None
-    return load_or_calibrate(spec, worker_identity(worker), request.fit, cache_dir,
+    return load_or_calibrate(spec, worker_identity(worker), cal, request.itl_slo_ms,
                              measure or calibrate)

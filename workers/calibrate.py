@@ -34,7 +34,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from controller.budget import SCHEMA_VERSION, CalibrationGrid
+from controller.budget import SCHEMA_VERSION
+from controller.calibration import CalibrationConfig
 from controller.messages import CachedRequestData, NewRequestData, SamplingParams, StepPlan
 from workers.hardware import bandwidth_runs, matmul_flops_runs
 from workers.worker import Worker
@@ -66,7 +67,7 @@ class CalibrationSpec:
     memory_fraction: float
 
     @classmethod
-    def of(cls, grid: CalibrationGrid, *, model: str, dtype: str, device: str,
+    def of(cls, grid: CalibrationConfig, *, model: str, dtype: str, device: str,
            block_size: int, tile_tokens: int, threads: int | None) -> CalibrationSpec:
         """`grid` on one worker; chunks on the grid of lcm(block size, tile)."""
         return cls(model=model, dtype=dtype, device=device, block_size=block_size,

@@ -8,6 +8,16 @@ from typing import Protocol
 
 
 @dataclass(frozen=True)
+class PackPolicy:
+    """Which linear weights a CPU fp32 worker packs for oneDNN, and from how many rows a
+    call uses the packed copy (the `worker.cpu_packed_*` fields; workers/models/packed.py)."""
+
+    min_rows: int = 8  # below, the plain GEMM: the packed call's overhead dominates
+    min_elements: int = 1 << 17  # smaller weights stay plain at any row count
+    any_rows_elements: int = 1 << 20  # from this size packed even for one row
+
+
+@dataclass(frozen=True)
 class RunOptions:
     """How a worker runs its steps on its device (the `worker:` section's fields)."""
 
@@ -15,6 +25,7 @@ class RunOptions:
     attention_backend: str = "auto"
     cuda_graphs: bool = True
     max_graph_batch: int = 256
+    packing: PackPolicy | None = PackPolicy()  # None: plain GEMMs only
 
 
 class WorkerSection(Protocol):
@@ -30,6 +41,10 @@ class WorkerSection(Protocol):
     attention_backend: str
     cuda_graphs: bool
     max_graph_batch: int
+    cpu_packed_weights: bool
+    cpu_packed_min_rows: int
+    cpu_packed_min_elements: int
+    cpu_packed_any_rows_elements: int
 
 
 class CacheSection(Protocol):
@@ -37,3 +52,10 @@ class CacheSection(Protocol):
 
     num_kv_blocks: int
     block_size: int
+
+
+def packing_policy(section: WorkerSection) -> PackPolicy | None:
+    if not section.cpu_packed_weights:
+        return None
+    return PackPolicy(section.cpu_packed_min_rows, section.cpu_packed_min_elements,
+                      section.cpu_packed_any_rows_elements)

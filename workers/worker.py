@@ -45,7 +45,7 @@ from workers.loader import load_model, parse_dtype
 from workers.model_config import ModelConfig
 from workers.presets import resolve_model
 from workers.sampler import Sampler, SamplingRow
-from workers.sections import CacheSection, RunOptions, WorkerSection
+from workers.sections import CacheSection, RunOptions, WorkerSection, packing_policy
 from workers.step_results import StepResults
 from workers.step_state import PendingStep, RequestState, resolve_num_threads
 from workers.telemetry import TelemetrySource
@@ -60,7 +60,7 @@ def build_worker(section: WorkerSection, cache: CacheSection) -> Worker:
     worker = Worker(section.model, cache.num_kv_blocks, cache.block_size, dtype=section.dtype,
                     seed=section.seed, device=section.device, run=RunOptions(
                         section.num_threads, section.attention_backend, section.cuda_graphs,
-                        section.max_graph_batch))
+                        section.max_graph_batch, packing_policy(section)))
     if section.telemetry:
         from workers.telemetry import make_source
 
@@ -103,7 +103,8 @@ class Worker(StepResults):
         self.dtype = parse_dtype(dtype)
         self.model_path = resolve_model(model)
         self.model, self._config = load_model(self.model_path, self.dtype, self.device)
-        self.model.prepack_lm_head()  # CPU fp32 only; a no-op elsewhere
+        if run.packing is not None:
+            self.model.pack_linears(run.packing)  # CPU fp32 only; a no-op elsewhere
         self.num_kv_blocks, self.block_size = num_kv_blocks, block_size
         cfg = self._config
         self.kv_caches = allocate_kv_cache(

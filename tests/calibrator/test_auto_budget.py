@@ -17,7 +17,8 @@ import torch
 from cluster.config import TokenflowConfig
 from cluster.engine import LocalEngine
 from cluster.serve import describe_budget
-from controller.budget import QUICK_RUN, AutoBudgetResult, BudgetFit
+from controller.budget import AutoBudgetResult
+from controller.calibration import QUICK_RUN, CalibrationConfig
 from controller.messages import SamplingParams
 from controller.options import budgeted_scheduler
 from tests.unit.test_controller_actor import _Method, make_actor
@@ -28,9 +29,16 @@ from workers.calibrate import CalibrationSpec, Calibrator
 from workers.worker import Worker
 
 Measure = Callable[[CalibrationSpec], dict[str, Any]]
-FIT = BudgetFit(itl_slo_ms=100.0, bandwidth_headroom=0.15, chunk_efficiency=0.9)
+SLO_MS = 100.0
+
+
+def cal(cache_dir: Path, **changes: Any) -> CalibrationConfig:
+    """The calibration section with its cache folder at `cache_dir`."""
+    return CalibrationConfig(cache_dir=cache_dir, **changes)
+
+
 BASE_SPEC = CalibrationSpec.of(
-    TokenflowConfig().calibration_grid().quick(), model="builtin:tiny", dtype="float32",
+    TokenflowConfig().calibration.quick(), model="builtin:tiny", dtype="float32",
     device="cpu", block_size=16, tile_tokens=16, threads=1)
 BASE_IDENTITY = {"model_config_sha256": "0" * 64, "device_name": "cpu Example 9000",
                  "attention_backend": "TorchBackend", "cuda_graphs": "False",
@@ -70,9 +78,9 @@ def test_one_changed_input_is_another_cache_entry(change: tuple[str, str], tmp_p
                                                   table_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     calls, measure = fake_measure(table_path)
-    first = load_or_calibrate(BASE_SPEC, BASE_IDENTITY, FIT, tmp_path, measure)
-    hit = load_or_calibrate(dataclasses.replace(BASE_SPEC), dict(BASE_IDENTITY), FIT, tmp_path,
-                            measure)
+    first = load_or_calibrate(BASE_SPEC, BASE_IDENTITY, cal(tmp_path), SLO_MS, measure)
+    hit = load_or_calibrate(dataclasses.replace(BASE_SPEC), dict(BASE_IDENTITY), cal(tmp_path),
+                            SLO_MS, measure)
     assert len(calls) == 1 and first.is_measured and not hit.is_measured
     assert hit.path == first.path and hit.data["spec"] == first.data["spec"]
     kind, name = change
@@ -84,18 +92,18 @@ def test_one_changed_input_is_another_cache_entry(change: tuple[str, str], tmp_p
     else:
         monkeypatch.setattr(auto_budget, "CACHE_FORMAT_VERSION",
                             auto_budget.CACHE_FORMAT_VERSION + 1)
-    other = load_or_calibrate(spec, identity, FIT, tmp_path, measure)
+    other = load_or_calibrate(spec, identity, cal(tmp_path), SLO_MS, measure)
     assert len(calls) == 2 and other.is_measured and other.path != first.path
     assert calls[-1] == spec
-    again = load_or_calibrate(spec, identity, FIT, tmp_path, measure)
+    again = load_or_calibrate(spec, identity, cal(tmp_path), SLO_MS, measure)
     assert len(calls) == 2 and not again.is_measured and again.path == other.path
 
 
 def test_a_new_slo_refits_the_cached_measurement(tmp_path: Path, table_path: Path) -> None:
     calls, measure = fake_measure(table_path)
-    loose = load_or_calibrate(BASE_SPEC, BASE_IDENTITY, FIT, tmp_path, measure)
-    tight_fit = dataclasses.replace(FIT, itl_slo_ms=5.0, bandwidth_headroom=0.5, weight_bits=8)
-    tight = load_or_calibrate(BASE_SPEC, BASE_IDENTITY, tight_fit, tmp_path, measure)
+    loose = load_or_calibrate(BASE_SPEC, BASE_IDENTITY, cal(tmp_path), SLO_MS, measure)
+    tight_fit = cal(tmp_path, bandwidth_headroom=0.5, weight_bits=8)
+    tight = load_or_calibrate(BASE_SPEC, BASE_IDENTITY, tight_fit, 5.0, measure)
     assert len(calls) == 1 and not tight.is_measured and tight.path == loose.path
     assert tight.data["recommendation"]["itl_slo_ms"] == 5.0
     assert loose.data["recommendation"]["itl_slo_ms"] == 100.0
@@ -107,9 +115,9 @@ def test_a_new_slo_refits_the_cached_measurement(tmp_path: Path, table_path: Pat
 
 def test_a_torn_cache_file_is_measured_again(tmp_path: Path, table_path: Path) -> None:
     calls, measure = fake_measure(table_path)
-    first = load_or_calibrate(BASE_SPEC, BASE_IDENTITY, FIT, tmp_path, measure)
+    first = load_or_calibrate(BASE_SPEC, BASE_IDENTITY, cal(tmp_path), SLO_MS, measure)
     Path(first.path).write_text("{\"schema_version\": 1", encoding="utf-8")
-    again = load_or_calibrate(BASE_SPEC, BASE_IDENTITY, FIT, tmp_path, measure)
+    again = load_or_calibrate(BASE_SPEC, BASE_IDENTITY, cal(tmp_path), SLO_MS, measure)
     assert len(calls) == 2 and again.is_measured and again.path == first.path
     load_budget_table(again.path)  # whole again
 
@@ -136,7 +144,7 @@ def test_configs_differing_in_a_measured_setting_use_other_entries(
         torch.set_num_threads(1)
         first = entry({})
         assert entry({}).path == first.path and len(calls) == 1  # identical: a hit
-        refit = entry({"calibration": {"itl_slo_ms": 40.0, "chunk_efficiency": 0.5}})
+        refit = entry({"slo": {"itl_ms": 40.0}, "calibration": {"chunk_efficiency": 0.5}})
         assert refit.path == first.path and len(calls) == 1  # not measured: re-fitted
         paths = {first.path}
         for changes in ({"cache": {"block_size": 32}}, {"calibration": {"tile_tokens": 32}},
@@ -160,7 +168,8 @@ def test_the_configuration_measures_nothing_and_a_budget_file_wins(tmp_path: Pat
     on = TokenflowConfig(calibration={"auto": True, "cache_dir": tmp_path})
     options = on.controller_options()  # in the driver or an ingress: no measurement
     assert options.auto_budget == on.auto_budget() and options.step_cost is None
-    assert options.auto_budget is not None and options.auto_budget.grid.warmup == QUICK_RUN.warmup
+    assert options.auto_budget is not None
+    assert options.auto_budget.calibration.warmup == QUICK_RUN["warmup"]
     assert not list(tmp_path.iterdir())
     explicit = TokenflowConfig(calibration={"auto": True, "cache_dir": tmp_path,
                                             "budget_file": table_path})
@@ -193,14 +202,14 @@ def test_engine_measures_on_its_own_worker_once(tmp_path: Path,
     table = load_budget_table(cached)
     spec = table.data["spec"]
     assert spec["threads"] == torch.get_num_threads() and spec["device"] == "cpu"
-    assert spec["warmup"] == QUICK_RUN.warmup and max(spec["prefill_tokens"]) <= 512
+    assert spec["warmup"] == QUICK_RUN["warmup"] and max(spec["prefill_tokens"]) <= 512
     assert engine.scheduler.step_cost == table.step_cost()
     again = LocalEngine(TokenflowConfig(**settings))
     assert len(runs) == 1  # loaded, not measured
     assert again.scheduler.step_cost == table.step_cost()
     cfg = again.config
-    assert again.scheduler.config == budgeted_scheduler(cfg.scheduler, table, cfg.budget_fit(),
-                                                        cfg.cache)
+    assert again.scheduler.config == budgeted_scheduler(cfg.scheduler, table, cfg.calibration,
+                                                        cfg.slo, cfg.cache)
     # The calibration's steps left nothing behind that serving could see.
     fixed = LocalEngine(TokenflowConfig(**{**settings, "calibration": {"auto": False}}))
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -231,7 +240,8 @@ def test_controller_asks_worker_0_before_it_schedules(table_path: Path) -> None:
         assert budget["source"] == "measured" and budget["pid"] == 4242
         line = describe_budget(budget)  # what `make serve` prints
         assert "measured on worker 0" in line and "/cache/t.json" in line
-        expected = budgeted_scheduler(fixed, table, request.fit, actor.options.cache)
+        expected = budgeted_scheduler(fixed, table, request.calibration, actor.options.slo,
+                                      actor.options.cache)
         assert budget["max_num_batched_tokens"] == expected.max_num_batched_tokens
         for w in range(2):
             sched = actor.core.scheduler(w)

@@ -101,10 +101,10 @@ def test_fit_reads_medians_so_one_stolen_burst_does_not_move_it() -> None:
 
 def test_the_running_scheduler_gets_the_derived_slo_and_budget() -> None:
     cfg = TokenflowConfig()
-    assert cfg.calibration.itl_slo_ms is None
+    assert cfg.slo.itl_ms is None
     table = derived(cpu_like())
-    sched = budgeted_scheduler(cfg.scheduler, table, cfg.budget_fit(), cfg.cache)
-    itl_slo_s = cfg.controller_options().with_budget_table(table, cfg.budget_fit()).itl_slo_s
+    sched = budgeted_scheduler(cfg.scheduler, table, cfg.calibration, cfg.slo, cfg.cache)
+    itl_slo_s = cfg.controller_options().with_budget_table(table, cfg.calibration).itl_slo_s
     assert itl_slo_s == pytest.approx(table.derived_slo_ms() / 1e3)
     assert sched.max_num_batched_tokens > table.limits["plan_decodes"] + 32
 
@@ -117,7 +117,7 @@ def test_served_scene_short_prompt_is_not_held_behind_the_long_one() -> None:
     cfg = TokenflowConfig()
     table = derived(cpu_like())
     cost = table.step_cost()
-    sched_cfg = budgeted_scheduler(cfg.scheduler, table, cfg.budget_fit(), cfg.cache)
+    sched_cfg = budgeted_scheduler(cfg.scheduler, table, cfg.calibration, cfg.slo, cfg.cache)
     scene = Scene(budget=sched_cfg.max_num_batched_tokens, num_blocks=4096, model=cost,
                   cost=cost)
     slo_s = table.derived_slo_ms() / 1e3

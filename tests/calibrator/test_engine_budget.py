@@ -42,7 +42,7 @@ def _check_engine(engine: LocalEngine, table: BudgetTable) -> None:
 
 
 def test_engine_uses_budget_file_field(table_path: Path) -> None:
-    engine = LocalEngine(calibration={"budget_file": table_path, "itl_slo_ms": SLO_MS},
+    engine = LocalEngine(calibration={"budget_file": table_path}, slo={"itl_ms": SLO_MS},
                          cache={"num_kv_blocks": 64})
     table = load_budget_table(table_path)
     _check_engine(engine, table)
@@ -55,7 +55,7 @@ def test_engine_uses_budget_file_field(table_path: Path) -> None:
 
 def test_engine_uses_budget_file_env(table_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TOKENFLOW_CALIBRATION__BUDGET_FILE", str(table_path))
-    monkeypatch.setenv("TOKENFLOW_CALIBRATION__ITL_SLO_MS", str(SLO_MS))
+    monkeypatch.setenv("TOKENFLOW_SLO__ITL_MS", str(SLO_MS))
     config = TokenflowConfig(cache={"num_kv_blocks": 64})
     assert config.calibration.budget_file == table_path
     _check_engine(LocalEngine(config), load_budget_table(table_path))

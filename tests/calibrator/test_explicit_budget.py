@@ -79,7 +79,7 @@ def test_an_explicit_budget_beats_the_budget_files(
                 "calibration": {"budget_file": str(table_path)}}
     monkeypatch.delenv(BUDGET_ENV, raising=False)
     implicit = TokenflowConfig(**settings)
-    recommended = budgeted_scheduler(implicit.scheduler, table, implicit.budget_fit(),
+    recommended = budgeted_scheduler(implicit.scheduler, table, implicit.calibration, implicit.slo,
                                      implicit.cache).max_num_batched_tokens
     assert implicit.controller_options().scheduler.max_num_batched_tokens == recommended
     budget = {"source": "file", "max_num_batched_tokens": recommended}

@@ -24,7 +24,7 @@ from workers.calibrate import (
     size_grid,
 )
 
-FULL = CalibrationSpec.of(TokenflowConfig().calibration_grid(), model="builtin:bench",
+FULL = CalibrationSpec.of(TokenflowConfig().calibration, model="builtin:bench",
                           dtype="float32", device="cpu", block_size=16, tile_tokens=16,
                           threads=1)
 # Roughly builtin:bench on one core of this VM: 18 ms a step, 0.6 ms a token, 0.4 us a pair.

@@ -59,8 +59,8 @@ def test_worker_0_measures_once_and_the_next_start_loads(cluster, tmp_path: Path
         table = load_budget_table(cached)
         assert table.data["spec"]["threads"] == info["torch_threads"][0]
         assert table.data["spec"]["device"] == info["devices"][0] == "cpu"
-        fitted = BudgetTable.fitted(table.data, config.budget_fit())
-        expected = budgeted_scheduler(config.scheduler, fitted, config.budget_fit(),
+        fitted = BudgetTable.fitted(table.data, config.calibration, config.slo.itl_ms)
+        expected = budgeted_scheduler(config.scheduler, fitted, config.calibration, config.slo,
                                       config.cache)
         assert budget["max_num_batched_tokens"] == expected.max_num_batched_tokens
         stamp = cached.stat().st_mtime_ns

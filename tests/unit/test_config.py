@@ -112,7 +112,8 @@ def test_every_setting_is_documented() -> None:
     sections = schema["$defs"]
     assert set(schema["properties"]) == {"worker", "cache", "scheduler", "flow", "protections",
                                          "degraded", "calibration", "cluster", "recovery",
-                                         "metrics", "journal", "edge", "batch", "scaling"}
+                                         "metrics", "journal", "edge", "batch", "slo",
+                                         "scaling"}
     for name, section in sections.items():
         for field, spec in section["properties"].items():
             assert spec.get("description"), f"{name}.{field} has no description"
@@ -128,9 +129,57 @@ def test_batch_settings_are_their_own_section(monkeypatch: pytest.MonkeyPatch) -
     assert not [f.name for f in dataclasses.fields(ClusterConfig) if "batch" in f.name]
     with pytest.raises(ValidationError, match=r"batch\.start_timeout_s"):
         TokenflowConfig(batch={"start_timeout_s": 0})
-    # The old name of the setting (renamed, docs/architecture.md) fails at start, by name.
-    with pytest.raises(ValidationError, match=r"batch\.ready_wait_s"):
+    # The old name of the setting (renamed, docs/architecture.md) fails at start, naming
+    # the new one.
+    with pytest.raises(ValidationError, match=r"batch\.ready_wait_s is now batch\.start_timeout_s"):
         TokenflowConfig(batch={"ready_wait_s": 600})
+
+
+def test_slos_are_one_section_read_by_the_controller_and_the_edge() -> None:
+    from cluster.metrics import MetricsConfig
+    from controller.budget import AutoBudget
+    from controller.calibration import CalibrationConfig
+    from controller.protections import ProtectionConfig
+    from controller.slo import SloConfig
+
+    config = TokenflowConfig(slo={"itl_ms": 40.0, "ttft_s": 1.0, "max_headroom": 1.1},
+                             calibration={"auto": True})
+    assert config.slo == SloConfig(itl_ms=40.0, ttft_s=1.0, max_headroom=1.1)
+    assert config.controller_options().slo is config.slo  # the controller takes it whole
+    assert config.auto_budget() == AutoBudget(config.calibration.quick(), 40.0)
+    assert TokenflowConfig().slo == SloConfig()  # the defaults the three homes had
+    assert (SloConfig().itl_ms, SloConfig().ttft_s, SloConfig().max_headroom) == (None, 2.0, 1.3)
+    assert (SloConfig().headroom_window, SloConfig().headroom_quantile) == (64, 1.0)
+    # No SLO is left in the sections they came from.
+    for cls in (ProtectionConfig, MetricsConfig, CalibrationConfig):
+        assert not [f.name for f in dataclasses.fields(cls) if "slo_" in f.name]
+    with pytest.raises(ValidationError, match=r"slo\.headroom_window"):
+        TokenflowConfig(slo={"headroom_window": 0})
+
+
+@pytest.mark.parametrize(("section", "field", "new"), [
+    ("calibration", "itl_slo_ms", r"slo\.itl_ms"),
+    ("metrics", "ttft_slo_s", r"slo\.ttft_s"),
+    ("protections", "slo_headroom_quantile", r"slo\.headroom_quantile"),
+    ("protections", "slo_headroom_window", r"slo\.headroom_window"),
+    ("protections", "max_slo_headroom", r"slo\.max_headroom"),
+])
+def test_an_old_slo_name_fails_at_start_naming_its_new_home(
+        monkeypatch: pytest.MonkeyPatch, section: str, field: str, new: str) -> None:
+    with pytest.raises(ValidationError, match=rf"{section}\.{field} is now {new}"):
+        TokenflowConfig(**{section: {field: 1}})
+    args = copy.deepcopy(serve_args())  # serve.yaml's args, as build_app gets them
+    args.setdefault(section, {})[field] = 1
+    with pytest.raises(ValidationError, match=rf"{section}\.{field} is now {new}"):
+        build_app(args)
+    name = f"TOKENFLOW_{section.upper()}__{field.upper()}"
+    monkeypatch.setenv(name, "1")
+    with pytest.raises(ValueError, match=rf"{name} \({section}\.{field} is now {new}: "
+                                         rf"TOKENFLOW_SLO__"):
+        TokenflowConfig()
+    monkeypatch.setenv("TOKENFLOW_SLO__ITL_M", "1")  # a misspelling beside it is named too
+    with pytest.raises(ValueError, match=rf"is now {new}.*unknown.*TOKENFLOW_SLO__ITL_M\b"):
+        TokenflowConfig()
 
 
 @pytest.mark.parametrize("name", ["TOKENFLOW_CLUSTER__BATCH_MAX_IN_FLIGHT",
@@ -144,19 +193,30 @@ def test_old_batch_names_are_refused_naming_them(monkeypatch: pytest.MonkeyPatch
         TokenflowConfig()
 
 
+BUDGET_ENV = "TOKENFLOW_SCHEDULER__MAX_NUM_BATCHED_TOKENS"
+CHUNKS_ENV = "TOKENFLOW_SCHEDULER__MAX_CONCURRENT_CHUNKS"
+
+
 def test_batch_cli_sets_the_batch_section_and_the_offline_step(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from cluster.batch import BUDGET_ENV, CHUNKS_ENV, config_from_args, parse_args
+    from cluster.batch import config_from_args, parse_args
 
     monkeypatch.delenv(BUDGET_ENV, raising=False)
     monkeypatch.delenv(CHUNKS_ENV, raising=False)
-    monkeypatch.setenv("TOKENFLOW_BATCH__MAX_NUM_BATCHED_TOKENS", "4096")
-    monkeypatch.setenv("TOKENFLOW_BATCH__MAX_CONCURRENT_CHUNKS", "64")
     args = ["-i", "in.jsonl", "-o", "out.jsonl"]
+    config = config_from_args(parse_args(args))
+    # The default profile: the offline step the batch section had before it was a profile.
+    assert config.scheduler.max_num_batched_tokens == 8192
+    assert config.scheduler.max_concurrent_chunks == 256
+    assert not config.calibration.auto
+    monkeypatch.setenv("TOKENFLOW_BATCH__OVERRIDES__SCHEDULER__MAX_NUM_BATCHED_TOKENS", "4096")
+    monkeypatch.setenv("TOKENFLOW_BATCH__OVERRIDES__SCHEDULER__MAX_CONCURRENT_CHUNKS", "64")
     config = config_from_args(parse_args([*args, "--max-in-flight", "3",
                                           "--rows-per-shard", "9"]))
     assert (config.batch.max_in_flight, config.batch.rows_per_shard) == (3, 9)
-    # The offline step comes from the batch section unless the scheduler's is set.
+    # One key set in the env is merged over the default profile, not in place of it.
+    assert config.batch.overrides["worker"] == {"num_threads": -2}
+    # The offline step comes from the batch profile unless the scheduler's is set.
     assert config.scheduler.max_num_batched_tokens == 4096
     assert config.scheduler.max_concurrent_chunks == 64
     assert not config.calibration.auto
@@ -165,6 +225,63 @@ def test_batch_cli_sets_the_batch_section_and_the_offline_step(
     config = config_from_args(parse_args(args))
     assert config.scheduler.max_num_batched_tokens == 1024
     assert config.scheduler.max_concurrent_chunks == 8
+    monkeypatch.delenv(BUDGET_ENV)
+    # A flag gives the budget too, even at the serving default's value.
+    config = config_from_args(parse_args([*args, "--max-num-batched-tokens", "2048"]))
+    assert config.scheduler.max_num_batched_tokens == 2048
+
+
+def test_the_batch_profile_yields_to_given_settings_and_a_budget_file(
+        tmp_path: Path) -> None:
+    from cluster.batch import offline_config
+
+    profile = {"scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 4096}}
+    config = TokenflowConfig(batch={"overrides": profile}, scheduler={"max_num_seqs": 4})
+    job = offline_config(config)
+    assert job.scheduler.max_num_seqs == 4  # given: the profile yields
+    assert job.scheduler.max_num_batched_tokens == 4096
+    assert config.scheduler.max_num_batched_tokens == 2048  # serving: untouched
+    assert job.worker.num_threads is None  # the worker's overrides: an own controller's
+    assert not job.calibration.auto
+    with_file = offline_config(TokenflowConfig(
+        batch={"overrides": profile}, calibration={"budget_file": tmp_path / "b.json",
+                                                   "auto": True}))
+    assert with_file.scheduler.max_num_batched_tokens == 2048  # the file's budget, later
+    assert with_file.scheduler.max_num_seqs == 8 and with_file.calibration.auto
+
+
+@pytest.mark.parametrize(("overrides", "name"), [
+    ({"scheduler": {"max_num_batched_tokns": 1}},
+     r"batch\.overrides\.scheduler\.max_num_batched_tokns"),
+    ({"schedular": {"max_num_seqs": 1}}, r"batch\.overrides\.schedular"),
+    ({"scheduler": {"max_num_seqs": 0}}, r"batch\.overrides\.scheduler.*max_num_seqs"),
+    ({"worker": {"num_threads": 0}}, r"batch\.overrides\.worker.*num_threads"),
+], ids=["field", "section", "bound", "thread-count"])
+def test_a_bad_batch_override_fails_at_start_naming_it(overrides: dict[str, Any],
+                                                      name: str) -> None:
+    with pytest.raises(ValidationError, match=name):
+        TokenflowConfig(batch={"overrides": overrides})
+
+
+def test_an_env_override_is_validated_as_its_section_does(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TOKENFLOW_BATCH__OVERRIDES__SCHEDULER__MAX_NUM_SEQS", "8")
+    assert TokenflowConfig().batch.overrides["scheduler"]["max_num_seqs"] == 8  # not "8"
+
+
+@pytest.mark.parametrize(("old", "new"), [
+    ("max_num_batched_tokens", "batch.overrides.scheduler.max_num_batched_tokens"),
+    ("max_concurrent_chunks", "batch.overrides.scheduler.max_concurrent_chunks"),
+    ("worker_num_threads", "batch.overrides.worker.num_threads"),
+])
+def test_an_old_batch_name_fails_at_start_naming_its_new_home(
+        monkeypatch: pytest.MonkeyPatch, old: str, new: str) -> None:
+    with pytest.raises(ValidationError, match=rf"batch\.{old} is now {new}"):
+        TokenflowConfig(batch={old: 1})
+    monkeypatch.setenv(f"TOKENFLOW_BATCH__{old.upper()}", "1")
+    new_env = "TOKENFLOW_" + new.upper().replace(".", "__")
+    with pytest.raises(ValueError, match=rf"batch\.{old} is now {new}: {new_env}"):
+        TokenflowConfig()
 
 
 def test_a_batch_jobs_own_worker_leaves_one_core_unless_worker_threads_are_set(
@@ -187,8 +304,9 @@ def test_a_batch_jobs_own_worker_leaves_one_core_unless_worker_threads_are_set(
     monkeypatch.setenv("TOKENFLOW_WORKER__NUM_THREADS", "1")
     assert own_controller_config(config_from_args(args)).worker.num_threads == 1
     monkeypatch.delenv("TOKENFLOW_WORKER__NUM_THREADS")
-    config = TokenflowConfig(batch={"worker_num_threads": None})
-    assert own_controller_config(config).worker.num_threads is None  # Ray's reserved CPUs
+    # Given, even as its default: Ray's reserved CPUs, not the profile's.
+    config = TokenflowConfig(worker={"num_threads": None})
+    assert own_controller_config(config).worker.num_threads is None
 
 
 def test_cli_options_nest() -> None:

@@ -12,6 +12,7 @@ from controller.messages import SamplingParams, StepPlan
 from controller.options import ControllerOptions
 from controller.protections import ProtectionConfig
 from controller.scheduler import SchedulerConfig
+from controller.slo import SloConfig
 from tests.unit.fake_runner import FakeRunner
 
 BLOCK = 16
@@ -28,13 +29,14 @@ class Scene:
 
     def __init__(self, budget: int = 256, num_blocks: int = 4096,
                  model: StepCost | None = None, cost: StepCost | None = None,
-                 protections: ProtectionConfig | None = None, **scheduler: object) -> None:
+                 protections: ProtectionConfig | None = None, slo: SloConfig | None = None,
+                 **scheduler: object) -> None:
         self.now = 0.0
         self.core = ControllerCore(
             [PoolSpec(num_blocks, BLOCK, False)], ControllerOptions(
                 scheduler=SchedulerConfig(max_num_batched_tokens=budget,
                                           **scheduler),  # type: ignore[arg-type]
-                protections=protections or ProtectionConfig(),
+                protections=protections or ProtectionConfig(), slo=slo or SloConfig(),
                 step_cost=model, itl_slo_s=SLO_S if model is not None else None),
             clock=lambda: self.now)
         self.sched = self.core.scheduler(0)
@@ -187,9 +189,9 @@ def test_worker_twice_as_slow_is_refitted_within_the_window_and_steps_return_und
                - 2.0) < 0.05
 
 
-def noisy_scene(protections: ProtectionConfig) -> Scene:
+def noisy_scene(slo: SloConfig) -> Scene:
     noise = itertools.cycle([1.0, 0.95, 1.15, 1.05, 0.97, 1.1, 1.0, 1.12])
-    s = Scene(budget=8192, model=TRUE_COST, cost=TRUE_COST, protections=protections)
+    s = Scene(budget=8192, model=TRUE_COST, cost=TRUE_COST, slo=slo)
     s.users_decoding()
     for i in range(8):
         s.add(f"long-{i}", 4000, max_tokens=2)
@@ -204,8 +206,8 @@ def test_noisy_steps_are_planned_with_headroom_so_the_slow_ones_stay_under_the_s
     Planned to the SLO itself (no headroom allowed), every step slower than the model
     breaks it; with the measured headroom (the slowest measured / predicted of the recent
     steps) none does once the noise's worst was seen, and the room kept is that worst."""
-    bare = noisy_scene(ProtectionConfig(max_slo_headroom=1.0))
-    kept = noisy_scene(ProtectionConfig())
+    bare = noisy_scene(SloConfig(max_headroom=1.0))
+    kept = noisy_scene(SloConfig())
     stats = kept.core.worker_stats(0)
     assert abs(stats.slo_headroom - 1.15) < 1e-9 and stats.num_refits == 0
     assert bare.core.worker_stats(0).slo_headroom == 1.0

@@ -24,11 +24,13 @@ MAY_IMPORT = {
     "kvcache": set(),
 }
 # What of the controller the workers may import: the messages that cross the door and the
-# budget table the worker measures (with the step cost model it is fitted into).
-# `controller.gc_freeze` is a process utility beside them: standard library only (checked
-# below), so it opens no path back into the controller.
+# budget table the worker measures (with the step cost model it is fitted into, and the
+# calibration section that says what to measure).
+# `controller.gc_freeze` is a process utility beside them and `controller.settings` the
+# sections' field helper: standard library only (checked below), so they open no path back
+# into the controller.
 WORKERS_MAY_IMPORT = {"controller.messages", "controller.budget", "controller.step_cost",
-                      "controller.gc_freeze"}
+                      "controller.calibration", "controller.settings", "controller.gc_freeze"}
 
 
 def test_controller_and_kvcache_cores_import_no_torch_ray_or_pydantic():
@@ -199,4 +201,4 @@ def test_what_workers_may_import_of_the_controller_opens_no_path_back() -> None:
     graph = import_graph(ROOT)
     for name in WORKERS_MAY_IMPORT:
         assert graph[name] <= WORKERS_MAY_IMPORT, (name, graph[name])
-    assert graph["controller.gc_freeze"] == set()
+    assert graph["controller.gc_freeze"] == graph["controller.settings"] == set()

@@ -20,6 +20,7 @@ from controller.request_metrics import (
     MetricsSnapshot,
     RequestMetrics,
 )
+from controller.slo import SloConfig
 from tests.unit.test_flow_core import Harness
 
 
@@ -52,8 +53,12 @@ def test_render_reports_what_the_core_counted() -> None:
     h, metrics = _drive_through_cache_pressure()
     stats = h.core.worker_stats(0)
     assert stats.flow_transition_to_count[("NORMAL", "CACHE_PRESSURE_WAIT")] == 1
-    text = render(MetricsSnapshot([stats], metrics.snapshot()), MetricsConfig(), 0.1)
+    text = render(MetricsSnapshot([stats], metrics.snapshot()), MetricsConfig(),
+                  SloConfig(itl_ms=100.0, ttft_s=1.5))
     s = _samples(text)
+    # The dashboard's lines are the slo section's, in seconds.
+    assert s[("tokenflow_itl_slo_seconds", ())] == 0.1
+    assert s[("tokenflow_ttft_slo_seconds", ())] == 1.5
     assert s[("tokenflow_time_to_first_token_seconds_count", ())] == 4
     assert s[("tokenflow_request_success_total", (("finished_reason", "length"),))] == 4
     assert s[("tokenflow_generation_tokens_total", ())] == 12 + 20 + 28 + 36
@@ -83,7 +88,7 @@ def test_render_reports_what_the_core_counted() -> None:
 def test_promtool_finds_no_problem() -> None:
     h, metrics = _drive_through_cache_pressure()
     text = render(MetricsSnapshot([h.core.worker_stats(0)], metrics.snapshot()),
-                  MetricsConfig(), 0.1)
+                  MetricsConfig(), SloConfig(itl_ms=100.0))
     out = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True,
                          timeout=60)
     assert out.returncode == 0 and not out.stdout and not out.stderr, out
@@ -116,7 +121,7 @@ def test_every_flow_transition_and_worker_node_has_a_series_from_the_first_scrap
     stats = h.core.worker_stats(0)
     assert stats.flow_transition_to_count == {}
     snap = MetricsSnapshot([stats], RequestMetrics().snapshot(), worker_nodes=["node-a"])
-    s = _samples(render(snap, MetricsConfig(), 0.1))
+    s = _samples(render(snap, MetricsConfig(), SloConfig(itl_ms=100.0)))
     changes = [(key, value) for key, value in s.items()
                if key[0] == "tokenflow_flow_transitions_total"]
     assert len(changes) == len(Mode) * (len(Mode) - 1)
@@ -130,7 +135,8 @@ def test_pool_states_and_scale_events_have_every_series_from_the_first_scrape() 
     removed worker is left out under its own index, no other index shifts."""
     from controller.pool import SCALE_EVENT_LABELS, WORKER_STATES
 
-    s = _samples(render(MetricsSnapshot([], RequestMetrics().snapshot()), MetricsConfig(), 0.1))
+    s = _samples(render(MetricsSnapshot([], RequestMetrics().snapshot()), MetricsConfig(),
+                        SloConfig()))
     assert {k[1][0][1]: v for k, v in s.items() if k[0] == "tokenflow_workers"} == \
         dict.fromkeys(WORKER_STATES, 0)
     events = {tuple(v for _, v in k[1]): n for k, n in s.items()
@@ -141,7 +147,7 @@ def test_pool_states_and_scale_events_have_every_series_from_the_first_scrape() 
     snap = MetricsSnapshot([stats, stats], RequestMetrics().snapshot(), None,
                            ["node-a", "node-b"], [0, 2], {"serving": 2},
                            {("up", "queue"): 3})
-    s = _samples(render(snap, MetricsConfig(), 0.1))
+    s = _samples(render(snap, MetricsConfig(), SloConfig()))
     assert {k[1][0][1] for k in s if k[0] == "tokenflow_worker_up"} == {"0", "2"}
     assert s[("tokenflow_worker_node", (("node", "node-b"), ("worker", "2")))] == 1
     assert s[("tokenflow_workers", (("state", "serving"),))] == 2

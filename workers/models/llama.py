@@ -15,6 +15,8 @@ from torch import Tensor, nn
 
 from workers.attention import AttentionStep, KVCache
 from workers.model_config import ModelConfig, RopeConfig
+from workers.models.packed import PackedLinear, maybe_pack
+from workers.sections import PackPolicy
 
 
 class RMSNorm(nn.Module):
@@ -95,11 +97,16 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
-        self.qkv_proj: nn.Linear | None = None
+        self.qkv_proj: nn.Module | None = None
 
     def fuse(self) -> None:
         self.qkv_proj = _fuse_linears(self.q_proj, self.k_proj, self.v_proj)
         del self.q_proj, self.k_proj, self.v_proj
+
+    def pack(self, policy: PackPolicy) -> None:
+        assert self.qkv_proj is not None, "fuse before packing"
+        self.qkv_proj = maybe_pack(self.qkv_proj, policy)
+        self.o_proj = maybe_pack(self.o_proj, policy)
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: KVCache, attn: AttentionStep
@@ -118,17 +125,28 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    # gate/up are deliberately NOT fused like q/k/v: measured on CPU (benchmarks/README.md),
-    # one [hidden, 2*inter] GEMM was no faster than two, and its strided halves made the
-    # SiLU and product passes slower.
+    # gate/up stay two GEMMs on the plain path: one [hidden, 2*inter] GEMM was no faster
+    # than two there, and its strided halves made the SiLU and product passes slower. The
+    # packed path (`pack`) fuses them: one packed call saves a whole call's overhead.
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         h, i, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
         self.gate_proj = nn.Linear(h, i, bias=bias)
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
+        self.gate_up: nn.Module | None = None  # set by `pack`: [T, hidden] -> [T, 2*inter]
+
+    def pack(self, policy: PackPolicy) -> None:
+        gate_up = maybe_pack(_fuse_linears(self.gate_proj, self.up_proj), policy)
+        if isinstance(gate_up, PackedLinear):
+            self.gate_up = gate_up
+            del self.gate_proj, self.up_proj
+        self.down_proj = maybe_pack(self.down_proj, policy)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.gate_up is not None:
+            gate, up = self.gate_up(x).chunk(2, dim=-1)  # [T, inter] each
+            return self.down_proj(F.silu(gate).mul_(up))
         # silu's output is a fresh temporary, so the product can be taken in place.
         return self.down_proj(F.silu(self.gate_proj(x)).mul_(self.up_proj(x)))  # [T, hidden]
 
@@ -176,9 +194,6 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(cfg)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        # oneDNN-packed copy of lm_head.weight (CPU fp32 only, see `prepack_lm_head`); not a
-        # parameter: the HF-named weight stays the source of truth (ties, byte counts).
-        self._packed_lm_head: Tensor | None = None
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -212,37 +227,18 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, cos, sin, kv_cache, attn)
         return self.model.norm(x)
 
-    def prepack_lm_head(self, batch_hint: int = 16, min_elements: int = 1 << 20) -> bool:
-        """Keep lm_head's weight pre-packed in oneDNN's blocked layout (CPU, fp32).
-
-        Why: lm_head is the largest matmul of a decode step (vocab x hidden, read whole for a
-        few rows) and the plain GEMM re-packs its weight on every call; the pre-packed one was
-        1.5-2x faster for 4-64 rows on CPU from ~2M weights up (a decode step of builtin:bench
-        ~15 % faster, benchmarks/README.md), but ~2x slower on tiny heads (call overhead), hence
-        `min_elements`. Costs one extra copy of the weight. Results differ from the plain GEMM
-        by summation order only (~1e-6 relative). Returns False, changing nothing, where
-        unsupported or not worth it."""
+    def pack_linears(self, policy: PackPolicy | None = None) -> None:
+        """Give the linear layers oneDNN-packed weights (CPU fp32; see workers/models/packed.py);
+        a no-op elsewhere. Call after loading, fusing and tying."""
         weight = self.lm_head.weight
         if weight.device.type != "cpu" or weight.dtype != torch.float32:
-            return False
-        if weight.numel() < min_elements:
-            return False
-        try:
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
-            probe = torch.linspace(-1.0, 1.0, weight.shape[1])[None, :]
-            ok = torch.allclose(_packed_linear(probe, packed), probe @ weight.t(),
-                                rtol=1e-4, atol=1e-4)
-        except (AttributeError, RuntimeError):  # op missing in this torch build
-            return False
-        self._packed_lm_head = packed if ok else None
-        return ok
+            return
+        policy = policy or PackPolicy()
+        for layer in self.model.layers:
+            layer.self_attn.pack(policy)
+            layer.mlp.pack(policy)
+        self.lm_head = maybe_pack(self.lm_head, policy)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden [S, hidden] -> logits [S, vocab] in fp32."""
-        if self._packed_lm_head is not None:
-            return _packed_linear(hidden, self._packed_lm_head)
         return self.lm_head(hidden).float()
-
-
-def _packed_linear(x: Tensor, packed_weight: Tensor) -> Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed_weight, None, "none", [], "")

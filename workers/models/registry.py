@@ -3,7 +3,7 @@
 Adding an architecture is one module under workers/models/ and one line here. The class
 is built from a `ModelConfig` on the `meta` device and loaded strictly
 (workers/loader.py); it has the methods `LlamaForCausalLM` has (`tie_weights`,
-`fuse_projections`, `reset_rotary`, `prepack_lm_head`, `forward`). The bytes a step moves
+`fuse_projections`, `reset_rotary`, `pack_linears`, `forward`). The bytes a step moves
 come from the model's config (`ModelConfig.kv_bytes_per_token`,
 `ModelConfig.activation_bytes_per_token`). Classes are named by import path so that
 reading a config imports no torch.
