@@ -5,6 +5,7 @@
     tokenflow calibrate --check budget.json [--tolerance X] [--warmup N --iters N]
     tokenflow dashboard push --grafana-url URL [--token T] [--file dashboards/tokenflow.json]
     tokenflow batch -i IN -o OUT [--local | --ray-data] ...   (= python -m cluster.batch)
+    tokenflow workers list|add|drain ...   (the pool of a running cluster: cluster/workers_cli.py)
 
 `calibrate` measures on this machine's worker device (workers/calibrate.py), fits the cost
 model and writes the budget table plus a PNG of the fit beside it (budget.png). It sizes its
@@ -32,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from cluster.config import TokenflowConfig
+from cluster.workers_cli import add_parser as add_workers_parser
+from cluster.workers_cli import run_workers
 from controller.budget import BudgetTable
 from controller.calibration import QUICK_RUN
 from workers.budget_file import load_budget_table, validate_budget
@@ -78,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     push.add_argument("--token", help="Grafana service-account token (Bearer)")
     push.add_argument("--file", type=Path, help="dashboard JSON (default: the shipped one)")
     cal.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_workers_parser(sub)
     return parser
 
 
@@ -223,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "dashboard":
         return run_dashboard_push(args)
     cfg = TokenflowConfig()
+    if args.command == "workers":
+        return run_workers(args, cfg)
     if args.check is not None:
         return run_check(args, cfg)
     return run_calibrate(args, cfg)

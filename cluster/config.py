@@ -37,6 +37,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from cluster.batch_config import BatchConfig, check_overrides
 from cluster.metrics import MetricsConfig
 from cluster.renames import check_moved, moved_env
+from controller.autoscale import ScalingConfig
 from controller.budget import AutoBudget, BudgetTable
 from controller.calibration import CalibrationConfig
 from controller.flow import FlowConfig
@@ -293,6 +294,9 @@ class TokenflowConfig(BaseSettings):
     slo: SloConfig = Field(default_factory=SloConfig, description=(
         "Latency objectives: the ITL SLO steps are planned for, the TTFT SLO line, and the "
         "planning headroom under the ITL SLO."))
+    scaling: ScalingConfig = Field(default_factory=ScalingConfig, description=(
+        "The elastic worker pool: load-driven growth and shrinking within "
+        "min_workers..max_workers (off by default), drain timeout."))
 
     def __init__(self, **data: Any) -> None:
         check_env()
@@ -387,7 +391,7 @@ class TokenflowConfig(BaseSettings):
             worker=self.worker, cache=self.cache, scheduler=self.scheduler_config(),
             flow=self.flow, protections=self.protections, degraded=self.degraded,
             cluster=self.cluster, recovery=self.recovery, journal=self.journal, slo=self.slo,
-            auto_budget=self.auto_budget())
+            scaling=self.scaling, auto_budget=self.auto_budget())
         table = self.budget_table()
         if table is None:
             return options

@@ -27,6 +27,7 @@ from prometheus_client.utils import floatToGoString
 
 from controller.flow import Mode
 from controller.histogram import HistogramSnapshot
+from controller.pool import SCALE_EVENT_LABELS, WORKER_STATES
 from controller.request_metrics import CIRCUIT_BREAKER, QUEUE_FULL, MetricsSnapshot
 from controller.settings import FORBID_EXTRA, check_settings, setting
 from controller.slo import SloConfig
@@ -133,11 +134,13 @@ def metric_families(snap: MetricsSnapshot, config: MetricsConfig,
     itl_slo_s = slo.itl_ms / 1e3 if slo.itl_ms is not None else snap.itl_slo_s
     f.gauge("itl_slo_seconds", "The ITL SLO steps are planned for (slo.itl_ms, or the one "
             "derived from the budget table).").add_metric([], itl_slo_s or 0.0)
-    _worker_families(f, snap.workers)
+    ids = snap.worker_ids or list(range(len(snap.workers)))
+    _worker_families(f, snap.workers, ids)
     node = f.gauge("worker_node", "1 for the Ray node each worker runs on (one series per "
                    "worker: the label set stays bounded).", ["worker", "node"])
-    for index, node_id in enumerate(snap.worker_nodes):
+    for index, node_id in zip(ids, snap.worker_nodes, strict=False):
         node.add_metric([str(index), node_id or "unknown"], 1.0)
+    _pool_families(f, snap)
     _tenant_families(f, snap.workers, config.max_tenant_labels)
     return f.families
 
@@ -145,7 +148,20 @@ def metric_families(snap: MetricsSnapshot, config: MetricsConfig,
 _MODE_CHANGES = [(a.name, b.name) for a in Mode for b in Mode if a != b]
 
 
-def _worker_families(f: _Families, workers: list[WorkerStats]) -> None:
+def _pool_families(f: _Families, snap: MetricsSnapshot) -> None:
+    states = f.gauge("workers", "Workers by state: loading (started, model not loaded yet "
+                     "or waiting for resources), serving, draining (no new requests).",
+                     ["state"])
+    for state in WORKER_STATES:  # every state from the first scrape, 0 included
+        states.add_metric([state], snap.pool_states.get(state, 0))
+    events = f.counter("scale_events", "Workers added (up) and drained (down), by reason: "
+                       "the scaling policy's (queue, ttft, below_min, idle, above_max) or "
+                       "an operator's.", ["direction", "reason"])
+    for direction, reason in SCALE_EVENT_LABELS:
+        events.add_metric([direction, reason], snap.scale_events.get((direction, reason), 0))
+
+
+def _worker_families(f: _Families, workers: list[WorkerStats], ids: list[int]) -> None:
     w = ["worker"]
     up = f.gauge("worker_up", "1 while the worker is in routing, 0 from a failure until it "
                  "is back.", w)
@@ -180,7 +196,7 @@ def _worker_families(f: _Families, workers: list[WorkerStats]) -> None:
                             "kind.", ["worker", "kind"])
     duration = f.histogram("step_duration_seconds", "Plan to applied result, per step.", w)
     score = f.histogram("budget_score", "Actual / budgeted prefill time per request.", w)
-    for s_index, s in enumerate(workers):
+    for s_index, s in zip(ids, workers, strict=True):
         k = str(s_index)
         up.add_metric([k], float(s.is_up))
         running.add_metric([k], s.num_running)

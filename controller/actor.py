@@ -7,7 +7,9 @@ whose step loop is an asyncio task: plan (the core handles queued events first),
 worker's step, apply, hand the outputs to the streams. The tasks share nothing but the
 core, which is only touched between awaits, so the single-threaded event loop is the lock;
 a slow worker only delays its own loop. A loop with nothing to do parks on an
-`asyncio.Event` that `submit`, `abort` and event producers set: no polling.
+`asyncio.Event` that `submit`, `abort` and event producers set: no polling. Workers join
+and leave while it serves (`add_worker`, `drain_worker`: controller/pool.py), by an
+operator's call or the load (controller/scaling.py, with `scaling.enabled`).
 
 One streaming protocol toward the edge, multiplexed: a consumer (an ingress replica, a batch
 runner) opens one `subscribe` stream that carries the `Delta`s of all its requests (a
@@ -38,28 +40,33 @@ from typing import Any
 
 import ray
 
-from controller.core import ControllerCore
+from controller.core import ControllerCore, PoolSpec
 from controller.gc_freeze import freeze_long_lived
 from controller.journal import Journal
-from controller.messages import Ack, DeltaBatch, FinishReason, SamplingParams
+from controller.messages import Ack, DeltaBatch, FinishReason, RequestOutput, SamplingParams
 from controller.options import ControllerOptions
+from controller.pool import ElasticPool
 from controller.request import Request
 from controller.request_metrics import QUEUE_FULL, MetricsSnapshot
 from controller.resume import Resume
 from controller.routing import QueueFullError
+from controller.scaling import Autoscaler
 from controller.startup import (
     CONTROLLER_NAME,
     Startup,
     WorkerFactory,
+    WorkerSpawner,
     kill_actor,
     kill_for_good,
+    make_autoscaler,
     node_of,
+    spawn_added_worker,
     start_worker_actors,
     worker_name,
 )
 from controller.streams import Streams
-from controller.transport import make_transport
-from controller.worker_loop import WorkerSlot
+from controller.transport import WorkerTransport
+from controller.worker_loop import WorkerSlot, slot_transport
 
 logger = logging.getLogger(__name__)
 __all__ = ["CONTROLLER_NAME", "ControllerActor", "RemoteController", "WorkerFactory",
@@ -69,10 +76,13 @@ __all__ = ["CONTROLLER_NAME", "ControllerActor", "RemoteController", "WorkerFact
 class ControllerActor:
     def __init__(self, options: ControllerOptions,
                  worker_factory: WorkerFactory | None = None,
-                 kill_worker: Callable[[Any], None] | None = None) -> None:
+                 kill_worker: Callable[[Any], None] | None = None,
+                 spawn_worker: WorkerSpawner | None = None,
+                 remove_worker: Callable[[Any], None] | None = None) -> None:
         self.options = options
         self.worker_factory = worker_factory or start_worker_actors
         self.kill_worker = kill_worker or kill_actor
+        spawn = spawn_worker or spawn_added_worker
         self.core: ControllerCore | None = None
         self.slots: list[WorkerSlot] = []
         self.vocab_size = 0
@@ -82,6 +92,10 @@ class ControllerActor:
         self.startup = Startup(options)
         self.resumer = Resume(options)
         self.streams = Streams(self.resumer, self._wake_workers)
+        # Workers added and drained while serving (controller/pool.py).
+        self.autoscaler: Autoscaler | None = None  # with scaling.enabled
+        self.pool = ElasticPool(self, lambda i: spawn(self.options, i),
+                                remove_worker or kill_for_good, 0, worker_name)
 
     @property
     def journal(self) -> Journal | None:
@@ -114,14 +128,9 @@ class ControllerActor:
         self.core = ControllerCore.for_workers(opts, infos, asyncio.get_running_loop().time)
         self.vocab_size = infos[0].vocab_size
         self.max_model_len = self.core.max_model_len
-        cluster = opts.cluster
-        self.slots = [WorkerSlot(w, h, info, self.core, self.streams, kill=self.kill_worker,
-                                 recovery=opts.recovery,
-                                 transport=make_transport(
-                                     cluster.worker_transport, h, info.incarnation,
-                                     cluster.compiled_graph_probe_s,
-                                     opts.recovery.ready_timeout_s, name=f"worker {w}"))
+        self.slots = [self._make_slot(w, h, info)
                       for w, (h, info) in enumerate(zip(handles, infos, strict=True))]
+        self.pool.next_name_index = len(handles)
         # After `reset` and the budget table (ordinary calls): a graph would run steps
         # beside them. Compiling is sequential, the probes overlap.
         await asyncio.gather(*(s.transport.reopen(s.handle, s.info.incarnation)
@@ -130,18 +139,83 @@ class ControllerActor:
         freeze_long_lived("controller")  # no full collection of Ray's objects mid-step
         for slot in self.slots:
             slot.start()
+        if opts.scaling.enabled:
+            self.autoscaler = make_autoscaler(lambda: self.options, self.pool,
+                                              self.streams.request_metrics.ttft_s)
         logger.info("controller started with %d workers on %s, %d requests resumed from the "
                     "journal", len(handles), ", ".join(sorted({i.device for i in infos})),
                     len(records))
+
+    def _make_slot(self, index: int, handle: Any, info: Any,
+                   transport: WorkerTransport | None = None) -> WorkerSlot:
+        assert self.core is not None
+        return WorkerSlot(index, handle, info, self.core, self.streams, kill=self.kill_worker,
+                          recovery=self.options.recovery,
+                          transport=transport or slot_transport(self.options, index, handle,
+                                                                info))
+
+    def _active(self) -> list[WorkerSlot]:
+        """The slots of workers not removed (serving or draining)."""
+        return [s for s in self.slots if s.index not in self.pool.removed]
+
+    # -- the elastic pool (controller/pool.py) -------------------------------------------
+    async def attach_worker(self, handle: Any, info: Any, name: str) -> WorkerSlot:
+        """A worker added while serving has loaded: its slot joins, it takes new requests."""
+        core = self.core
+        assert core is not None
+        index = core.num_workers
+        transport = slot_transport(self.options, index, handle, info)
+        await transport.reopen(handle, info.incarnation)
+        # From here to `start`, nothing awaits: the index is still the next one.
+        assert core.add_worker(PoolSpec(info.num_kv_blocks, info.block_size,
+                                        self.options.cache.enable_prefix_caching)) == index
+        slot = self._make_slot(index, handle, info, transport)
+        self.slots.append(slot)
+        slot.start()
+        return slot
+
+    def deliver(self, outputs: list[RequestOutput]) -> None:
+        if outputs:
+            self.streams.deliver(outputs)
+            if self.journal is not None:
+                self.journal.end_step()
+
+    def wake(self, workers: list[int]) -> None:
+        self._wake_workers(workers)
+
+    async def workers(self) -> list[dict[str, Any]]:
+        """Every worker with its state (loading, serving, draining, removed, failed)."""
+        await self._started()
+        return self.pool.listing()
+
+    async def add_worker(self, wait: bool = False, timeout_s: float = 600.0
+                         ) -> dict[str, Any]:
+        """Start one more worker; it takes new requests once its model has loaded (Ray
+        places it where its resources are free, or when a node that has them joins).
+        `wait`: answer once it serves (or raise why it could not join)."""
+        await self._started()
+        return await self.pool.add_answer(wait, timeout_s)
+
+    async def drain_worker(self, worker: int, timeout_s: float | None = None,
+                           wait: bool = True) -> dict[str, Any]:
+        """Route no new request to `worker`; its requests finish, or after `timeout_s`
+        (scaling.drain_timeout_s) move to the other workers; then it is removed and its
+        resources go back to Ray. `wait`: answer once it is removed, with what happened.
+        ValueError: no such serving worker, or the last one."""
+        await self._started()
+        return await self.pool.drain_answer(
+            worker, self.options.scaling.drain_timeout_s if timeout_s is None else timeout_s,
+            wait)
 
     async def model_info(self) -> dict[str, Any]:
         await self._started()
         info = self.slots[0].info
         return {"vocab_size": self.vocab_size, "max_model_len": self.max_model_len,
                 "eos_token_ids": list(info.eos_token_ids), "model_path": info.model_path,
-                "num_workers": len(self.slots), "devices": [s.info.device for s in self.slots],
-                "torch_threads": [s.info.torch_threads for s in self.slots],
-                "nodes": [node_of(s.info) for s in self.slots],
+                "num_workers": len(self._active()),
+                "devices": [s.info.device for s in self._active()],
+                "torch_threads": [s.info.torch_threads for s in self._active()],
+                "nodes": [node_of(s.info) for s in self._active()],
                 "budget": dict(self.startup.budget_source)}
 
     # -- requests -----------------------------------------------------------------------
@@ -235,7 +309,8 @@ class ControllerActor:
     async def stats(self) -> dict[str, Any]:
         await self._started()
         journal = self.journal.stats() if self.journal is not None else None
-        return {"workers": [slot.stats() for slot in self.slots], "pid": os.getpid(),
+        return {"workers": [{**slot.stats(), "state": self.pool.state_of(slot.index)}
+                            for slot in self.slots], "pid": os.getpid(),
                 # Only inside Ray: asking outside it would start a local Ray.
                 "node": ray.get_runtime_context().get_node_id() if ray.is_initialized()
                 else "",
@@ -252,10 +327,12 @@ class ControllerActor:
     async def metrics_snapshot(self) -> MetricsSnapshot:
         """What `/metrics` renders; answers at once, with no workers while they start."""
         core = self.core
-        workers = [core.worker_stats(w) for w in range(core.num_workers)] if core else []
-        nodes = [node_of(s.info) for s in self.slots] if core else []
-        return MetricsSnapshot(workers, self.streams.request_metrics.snapshot(),
-                               core.scheduler(0).itl_slo_s if core else None, nodes)
+        active = self._active() if core else []
+        return MetricsSnapshot([core.worker_stats(s.index) for s in active] if core else [],
+                               self.streams.request_metrics.snapshot(),
+                               core.scheduler(0).itl_slo_s if core else None,
+                               [node_of(s.info) for s in active], [s.index for s in active],
+                               self.pool.state_counts(), dict(self.pool.event_to_count))
 
     async def record_rejection(self, kind: str) -> None:
         """The edge refused a request before any other controller call (422): counted
@@ -279,7 +356,7 @@ class ControllerActor:
         core = await self._started()
         core.check_integrity()
         report = []
-        for slot in self.slots:
+        for slot in self._active():
             report.append(await slot.check_idle_integrity(timeout_s))
         return {"workers": report}
 
@@ -296,12 +373,16 @@ class ControllerActor:
                 return {"ok": False, "status": "starting", "reason": reason,
                         "num_workers_up": 0, "workers": []}
         core = self.core
-        dead = [s.index for s in self.slots if s.task is None or s.task.done()]
+        active = self._active()
+        # A draining worker's loop ends on purpose just before it is removed.
+        dead = [s.index for s in active if (s.task is None or s.task.done())
+                and self.pool.state_of(s.index) != "draining"]
         workers = [{"worker": s.index, "up": core.workers[s.index].is_up, "pid": s.info.pid,
                     "device": s.info.device, "node": node_of(s.info),
+                    "state": self.pool.state_of(s.index),
                     "num_failures": s.num_failures,
                     "num_running": len(core.scheduler(s.index).running),
-                    "num_waiting": core.scheduler(s.index).num_waiting} for s in self.slots]
+                    "num_waiting": core.scheduler(s.index).num_waiting} for s in active]
         num_up = sum(w["up"] for w in workers)
         ok = not dead and num_up > 0
         status = "ok" if ok else ("no worker up" if num_up == 0 else "step loop died")
@@ -311,7 +392,8 @@ class ControllerActor:
     async def wait_workers_up(self, timeout_s: float = 120.0) -> dict[str, Any]:
         """Return once every worker is up (restarted ones included), or raise TimeoutError."""
         await self._started()
-        await asyncio.wait_for(asyncio.gather(*(s.up.wait() for s in self.slots)), timeout_s)
+        await asyncio.wait_for(asyncio.gather(*(s.up.wait() for s in self._active())),
+                               timeout_s)
         return await self.ping()
 
     def _wake_workers(self, workers: list[int]) -> None:
@@ -321,12 +403,16 @@ class ControllerActor:
     async def shutdown(self) -> None:
         """Kill the (detached) workers and close the journal: they outlive the controller
         otherwise. Unfinished requests stay journaled."""
+        if self.autoscaler is not None:
+            self.autoscaler.stop()
         for slot in self.slots:
             if slot.task is not None:
                 slot.task.cancel()
             slot.transport.close()
-        for slot in self.slots:
+        for slot in self._active():
             kill_for_good(slot.handle)
+        for loading in self.pool.loading.values():
+            kill_for_good(loading.handle)
         if not self.slots:  # not started (yet) in this incarnation: find them by name
             for i in range(self.options.worker.num_workers):
                 try:

@@ -50,6 +50,16 @@ class ScalingConfig:
     idle_cooldown_s: float = setting(300.0, gt=0, description=(
         "A worker with nothing running or waiting for this long is drained and released "
         "(down to min_workers)."))
+    sample_interval_s: float = setting(5.0, gt=0, description=(
+        "How often the controller samples its queues and TTFT for the policy."))
+    drain_timeout_s: float = setting(60.0, gt=0, description=(
+        "How long a drained worker (the policy's or `tokenflow workers drain`'s) may take "
+        "to finish its running requests; past it they move to the other workers through "
+        "the journal's recompute path, with the same tokens."))
+    wait_for_nodes: bool = setting(False, description=(
+        "Grow even when no node has a worker's resources free, leaving the new worker "
+        "pending until Ray's autoscaler adds a node (a cluster with an autoscaler). False: "
+        "grow only within the resources free now (a fixed cluster)."))
 
     def __post_init__(self) -> None:
         check_settings(self)

@@ -84,27 +84,38 @@ class ControllerCore(Routing, Stepping):
         self.max_model_len = model.max_model_len
         self.max_queue_len = options.protections.max_queue_len
         self.degraded_config = options.degraded
-        scheduler_config, protection_config = options.scheduler, options.protections
-        step_cost, itl_slo_s = options.step_cost, options.itl_slo_s
-        scheduler_cls = make_scheduler_class(scheduler_config.scheduling_policy)
-        # The protections and the step deadline price chunks by the calibrated model,
-        # else by a fixed cost per token; the scheduler sizes chunks only by a calibrated one.
-        chunk_cost = step_cost or StepCost.per_token(protection_config.seconds_per_token)
-        arrivals = itertools.count()  # one arrival order across workers
-        self.workers = [
-            WorkerState(
-                scheduler_cls(scheduler_config,
-                              KVCacheManager(BlockPool(p.num_blocks, p.block_size,
-                                                       p.enable_prefix_caching)),
-                              clock=self.clock, arrivals=arrivals, step_cost=step_cost,
-                              itl_slo_s=itl_slo_s),
-                FlowControl(options.flow, scheduler_config.max_concurrent_chunks),
-                Protections(protection_config, chunk_cost), step_cost=step_cost,
-                refit=None if step_cost is None else OnlineRefit(protection_config, options.slo))
-            for p in pools]
+        self.options = options  # what a worker added later is built with
+        self._scheduler_cls = make_scheduler_class(options.scheduler.scheduling_policy)
+        self._arrivals = itertools.count()  # one arrival order across workers
+        self.workers = [self._new_worker_state(p) for p in pools]
         self.request_to_worker: dict[str, int] = {}
         self._ids = itertools.count()
         self._next_tie = 0
+
+    def _new_worker_state(self, pool: PoolSpec) -> WorkerState:
+        """A worker's scheduler, flow control and protections as the options' sections say
+        (the scheduler's policy, a budget table's cost model)."""
+        options = self.options
+        scheduler_config, protection_config = options.scheduler, options.protections
+        step_cost = options.step_cost
+        # The protections and the step deadline price chunks by the calibrated model,
+        # else by a fixed cost per token; the scheduler sizes chunks only by a calibrated one.
+        chunk_cost = step_cost or StepCost.per_token(protection_config.seconds_per_token)
+        return WorkerState(
+            self._scheduler_cls(scheduler_config,
+                                KVCacheManager(BlockPool(pool.num_blocks, pool.block_size,
+                                                         pool.enable_prefix_caching)),
+                                clock=self.clock, arrivals=self._arrivals, step_cost=step_cost,
+                                itl_slo_s=options.itl_slo_s),
+            FlowControl(options.flow, scheduler_config.max_concurrent_chunks),
+            Protections(protection_config, chunk_cost), step_cost=step_cost,
+            refit=None if step_cost is None else OnlineRefit(protection_config, options.slo))
+
+    def add_worker(self, pool: PoolSpec) -> int:
+        """A worker joined (its model loaded): it takes new requests from now on. Returns
+        its index, the next one (indices never shift: a removed worker keeps its own)."""
+        self.workers.append(self._new_worker_state(pool))
+        return len(self.workers) - 1
 
     @classmethod
     def for_workers(cls, options: ControllerOptions, workers: Sequence[WorkerFacts],
@@ -190,6 +201,42 @@ class ControllerCore(Routing, Stepping):
         state = self.workers[worker]
         state.is_up = False
         state.num_failures += 1
+        targets: set[int] = set()
+        aborted: list[RequestOutput] = []
+        for request in self._detach_all(worker):
+            request.num_worker_failures += 1
+            if request.num_worker_failures >= max_failures_per_request:
+                aborted.append(self._end_detached(
+                    request, f"request was on {request.num_worker_failures} failed workers"))
+                continue
+            target = self._reroute(request, exclude=worker)
+            self.workers[target].scheduler.adopt_request(request)
+            self.request_to_worker[request.request_id] = target
+            targets.add(target)
+        return sorted(targets), aborted
+
+    def evacuate(self, worker: int) -> tuple[list[int], list[RequestOutput]]:
+        """A draining worker's time is up: its unfinished requests move, as a failed
+        worker's do (recomputed elsewhere, same tokens), but the move counts as no failure.
+        One that fits no other worker is ended with an error. Returns (workers that
+        received requests, ended outputs)."""
+        targets: set[int] = set()
+        ended: list[RequestOutput] = []
+        for request in self._detach_all(worker):
+            target = self._reroute(request, exclude=worker)
+            if target == worker:
+                ended.append(self._end_detached(
+                    request, "its worker was drained and no other worker can hold it"))
+                continue
+            self.workers[target].scheduler.adopt_request(request)
+            self.request_to_worker[request.request_id] = target
+            targets.add(target)
+        return sorted(targets), ended
+
+    def _detach_all(self, worker: int) -> list[Request]:
+        """Every unfinished request of `worker`, taken away to be recomputed elsewhere; the
+        worker's steps in flight and its prefix hashes are forgotten (its KV is lost)."""
+        state = self.workers[worker]
         state.outbox = []
         state.step_started.clear()  # its steps in flight are lost with it
         sched = state.scheduler
@@ -204,23 +251,14 @@ class ControllerCore(Routing, Stepping):
             detached.append(request)
         sched.forget_worker_state()
         sched.kv.pool.reset_prefix_cache()
-        targets: set[int] = set()
-        aborted: list[RequestOutput] = []
-        for request in detached:
-            request.num_worker_failures += 1
-            if request.num_worker_failures >= max_failures_per_request:
-                self.request_to_worker.pop(request.request_id, None)
-                request.status = RequestStatus.FINISHED_ABORTED
-                aborted.append(RequestOutput(
-                    request.request_id, [], request.status.finish_reason, request.num_prompt_tokens,
-                    request.num_output_tokens, request.num_cached_tokens,
-                    error=f"request was on {request.num_worker_failures} failed workers"))
-                continue
-            target = self._reroute(request, exclude=worker)
-            self.workers[target].scheduler.adopt_request(request)
-            self.request_to_worker[request.request_id] = target
-            targets.add(target)
-        return sorted(targets), aborted
+        return detached
+
+    def _end_detached(self, request: Request, error: str) -> RequestOutput:
+        self.request_to_worker.pop(request.request_id, None)
+        request.status = RequestStatus.FINISHED_ABORTED
+        return RequestOutput(
+            request.request_id, [], request.status.finish_reason, request.num_prompt_tokens,
+            request.num_output_tokens, request.num_cached_tokens, error=error)
 
     def fail_worker_requests(self, worker: int, error: str) -> list[RequestOutput]:
         """The controller failed before a plan reached the worker: what the worker holds is

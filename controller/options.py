@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Literal, get_args, get_type_hints
 
+from controller.autoscale import ScalingConfig
 from controller.budget import AutoBudget, BudgetTable, StepCost
 from controller.calibration import CalibrationConfig
 from controller.flow import FlowConfig
@@ -205,6 +206,7 @@ class ControllerOptions:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     journal: JournalConfig = field(default_factory=JournalConfig)
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)
     slo: SloConfig = field(default_factory=SloConfig)
     step_cost: StepCost | None = None  # a budget table's: chunks sized per step
     itl_slo_s: float | None = None  # what step_cost sizes chunks for

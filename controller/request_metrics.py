@@ -124,3 +124,8 @@ class MetricsSnapshot:
     requests: RequestMetricsSnapshot
     itl_slo_s: float | None = None  # what worker 0's scheduler plans for; None: not yet
     worker_nodes: list[str] = field(default_factory=list)  # Ray node id per worker
+    # Index of each worker above (a removed worker is left out; indices never shift).
+    worker_ids: list[int] = field(default_factory=list)
+    pool_states: dict[str, int] = field(default_factory=dict)  # state -> workers in it
+    # (direction, reason) -> scale events, every known pair from the start.
+    scale_events: dict[tuple[str, str], int] = field(default_factory=dict)

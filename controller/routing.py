@@ -30,7 +30,7 @@ class Routing:
     def route(self, request: Request) -> int:
         """Prefix affinity first (the worker holding most of the prompt's blocks), then
         least loaded: KV usage plus queued tokens relative to the pool."""
-        up = [w for w, state in enumerate(self.workers) if state.is_up]
+        up = [w for w, state in enumerate(self.workers) if state.is_routable]
         if not up:
             raise NoWorkerUpError("no worker is up")
         candidates = [w for w in up if self.workers[w].scheduler.num_waiting < self.max_queue_len]
@@ -59,7 +59,7 @@ class Routing:
     def _reroute(self, request: Request, exclude: int) -> int:
         need = request.num_tokens + request.sampling_params.max_tokens - request.num_output_tokens
         fits = [w for w, state in enumerate(self.workers)
-                if w != exclude and state.is_up and need <= state.scheduler.capacity_tokens]
+                if w != exclude and state.is_routable and need <= state.scheduler.capacity_tokens]
         if not fits:
             return exclude  # waits for the worker to come back
         return min(fits, key=lambda w: (self.workers[w].scheduler.kv.pool.usage,

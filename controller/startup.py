@@ -17,7 +17,10 @@ from typing import Any
 import ray
 
 from controller.budget import AutoBudgetResult, BudgetTable
+from controller.histogram import Histogram
 from controller.options import ControllerOptions
+from controller.pool import ElasticPool
+from controller.scaling import Autoscaler, bundles
 
 logger = logging.getLogger(__name__)
 CONTROLLER_NAME = "tokenflow-controller"
@@ -25,30 +28,46 @@ CONTROLLER_NAME = "tokenflow-controller"
 
 def start_worker_actors(opts: ControllerOptions) -> list[Any]:
     """The default `WorkerFactory`: one worker actor per GPU, else `num_workers` on CPU."""
+    use_gpu = uses_gpu(opts)
+    num_workers, _ = worker_pool_shape(opts, ray.cluster_resources(), use_gpu)
+    return [spawn_worker(opts, i) for i in range(num_workers)]
+
+
+def uses_gpu(opts: ControllerOptions) -> bool:
+    return opts.worker.device != "cpu" and ray.cluster_resources().get("GPU", 0) >= 1
+
+
+def worker_resources(opts: ControllerOptions, use_gpu: bool) -> dict[str, Any]:
+    """The Ray resources one worker actor takes (what `request_resources` asks for too)."""
+    resources: dict[str, Any] = {"num_gpus": 1 if use_gpu else 0,
+                                 "num_cpus": opts.cluster.worker_num_cpus}
+    name = opts.cluster.worker_resource
+    if name is not None and not use_gpu:
+        resources["resources"] = {name: 1}
+    return resources
+
+
+def spawn_worker(opts: ControllerOptions, index: int, is_detached: bool = True) -> Any:
+    """The worker actor named `worker_name(index)`: created, or the running one."""
     module, _, name = opts.worker_cls.partition(":")
     actor_cls = getattr(importlib.import_module(module), name)
-    worker_cls = ray.remote(actor_cls)
-    wcfg, cache = opts.worker, opts.cache
-    use_gpu = wcfg.device != "cpu" and ray.cluster_resources().get("GPU", 0) >= 1
-    num_workers, resources = worker_pool_shape(opts, ray.cluster_resources(), use_gpu)
+    use_gpu = uses_gpu(opts)
     # Named and detached: a worker outlives the controller, and a restarted controller gets
     # the running one back (get_if_exists) instead of loading the model again.
-    return [worker_cls.options(name=worker_name(i), namespace=opts.cluster.namespace,
-                               get_if_exists=True, lifetime="detached",
-                               max_restarts=opts.cluster.worker_max_restarts,
-                               max_concurrency=actor_cls.MAX_CONCURRENCY,
-                               # Spread: a lost node takes the fewest workers with it.
-                               scheduling_strategy="SPREAD", **resources).remote(
-        dataclasses.replace(wcfg, device="cuda" if use_gpu else "cpu"), cache)
-        for i in range(num_workers)]
+    return ray.remote(actor_cls).options(
+        name=worker_name(index), namespace=opts.cluster.namespace, get_if_exists=True,
+        lifetime="detached" if is_detached else None, max_restarts=opts.cluster.worker_max_restarts,
+        max_concurrency=actor_cls.MAX_CONCURRENCY,
+        # Spread: a lost node takes the fewest workers with it.
+        scheduling_strategy="SPREAD", **worker_resources(opts, use_gpu)).remote(
+        dataclasses.replace(opts.worker, device="cuda" if use_gpu else "cpu"), opts.cache)
 
 
 def worker_pool_shape(opts: ControllerOptions, cluster_resources: dict[str, float],
                       use_gpu: bool) -> tuple[int, dict[str, Any]]:
     """How many worker actors to start and the Ray resources each one takes: one per GPU,
     else one per unit of `cluster.worker_resource` when set, else `worker.num_workers`."""
-    resources: dict[str, Any] = {"num_gpus": 1 if use_gpu else 0,
-                                 "num_cpus": opts.cluster.worker_num_cpus}
+    resources = worker_resources(opts, use_gpu)
     if use_gpu:
         return int(cluster_resources["GPU"]), resources
     name = opts.cluster.worker_resource
@@ -59,7 +78,7 @@ def worker_pool_shape(opts: ControllerOptions, cluster_resources: dict[str, floa
         raise RuntimeError(f"cluster.worker_resource is {name!r} but no node of the Ray "
                            f"cluster declares it (its resources: "
                            f"{sorted(cluster_resources)})")
-    return num_units, {**resources, "resources": {name: 1}}
+    return num_units, resources
 
 
 def node_of(info: Any) -> str:
@@ -102,6 +121,16 @@ def kill_actor(handle: Any) -> None:
 # Starts the workers for the given options and returns their handles; each handle has
 # `info.remote()`, `execute.remote(plan, incarnation)` and `held_block_ids.remote()`.
 WorkerFactory = Callable[[ControllerOptions], Awaitable[list[Any]] | list[Any]]
+# Starts one more worker (named by its index) for a running pool and returns its handle.
+WorkerSpawner = Callable[[ControllerOptions, int], Any]
+
+
+def spawn_added_worker(opts: ControllerOptions, index: int) -> Any:
+    """The default `WorkerSpawner`. Owned by the controller, not detached: a restarted
+    controller reattaches the pool it starts with, so a worker added later goes with the
+    controller that added it (its requests resume from the journal) instead of holding
+    its resources unused."""
+    return spawn_worker(opts, index, is_detached=False)
 
 
 def kill_for_good(handle: Any) -> None:
@@ -197,3 +226,32 @@ class Startup:
             return pending_resources(options, self.num_starting)
         else:
             return "the workers are starting"
+
+
+def can_place_worker(opts: ControllerOptions) -> bool:
+    """Whether some live node has one more worker's resources free now (per node: an
+    actor does not span nodes)."""
+    from ray._private.state import available_resources_per_node  # a DeveloperAPI
+
+    need = bundles(worker_resources(opts, uses_gpu(opts)), 1)[0]
+    return any(all(free.get(k, 0.0) >= v for k, v in need.items() if v > 0)
+               for free in available_resources_per_node().values())
+
+
+def request_worker_resources(opts: ControllerOptions, num_workers: int) -> None:
+    """Tell Ray's autoscaler the pool's target size (it keeps, adds or releases nodes)."""
+    from ray.autoscaler.sdk import request_resources
+
+    request_resources(bundles=bundles(worker_resources(opts, uses_gpu(opts)), num_workers))
+
+
+def make_autoscaler(options_of: Callable[[], ControllerOptions], pool: ElasticPool,
+                    ttft_s: Histogram) -> Autoscaler:
+    """The started autoscaler of a running controller (`scaling.enabled`), on the event
+    loop's clock, Ray's free resources and Ray's autoscaler."""
+    autoscaler = Autoscaler(options_of().scaling, pool, ttft_s,
+                            asyncio.get_running_loop().time,
+                            lambda: can_place_worker(options_of()),
+                            lambda n: request_worker_resources(options_of(), n))
+    autoscaler.start()
+    return autoscaler

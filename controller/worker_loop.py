@@ -37,12 +37,20 @@ from controller.core import ControllerCore
 from controller.messages import FinishReason, RequestOutput, StepPlan, StepResult
 from controller.recovery import RecoveryConfig
 from controller.step_loop import StepLoop
-from controller.transport import ActorCallTransport, WorkerTransport
+from controller.transport import ActorCallTransport, WorkerTransport, make_transport
 
 logger = logging.getLogger(__name__)
 # Step records kept for stats and the overhead benchmark; older ones are dropped.
 _MAX_RECORDS = 4096
 T = TypeVar("T")
+
+
+def slot_transport(options: Any, index: int, handle: Any, info: Any) -> WorkerTransport:
+    """How plans reach worker `index` (`cluster.worker_transport`), not yet opened."""
+    cluster = options.cluster
+    return make_transport(cluster.worker_transport, handle, info.incarnation,
+                          cluster.compiled_graph_probe_s, options.recovery.ready_timeout_s,
+                          name=f"worker {index}")
 
 
 class WorkerCallError(RuntimeError):
@@ -88,6 +96,7 @@ class WorkerSlot:
         self.wake = asyncio.Event()
         self.telemetry_poll_s = 0.1  # empty steps while paused, for telemetry samples
         self.parked = asyncio.Event()
+        self.stepped = asyncio.Event()  # set after every step: a drain waits on it
         self.task: asyncio.Task[None] | None = None
         self.num_routed = 0
         self.num_steps = 0
@@ -130,6 +139,7 @@ class WorkerSlot:
             try:
                 stepped = await self._step(force)
                 force = False
+                self.stepped.set()
             except WorkerCallError as err:  # a dead or failing worker must not kill the loop
                 if isinstance(err, WorkerHungError):
                     self.num_hangs += 1
@@ -278,6 +288,7 @@ class WorkerSlot:
             self.index, self.recovery.max_worker_failures_per_request)
         self.listener.deliver(aborted)
         self.listener.on_requests_moved(moved_to)
+        self.stepped.set()  # its requests left: a drain waiting on them is done
         self.kill(self.handle)
         self.transport.close()  # a compiled graph dies with the worker's process
         backoff = Backoff(self.recovery.restart_backoff_s, self.recovery.restart_backoff_max_s)

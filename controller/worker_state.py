@@ -83,6 +83,10 @@ class WorkerState:
     degraded: bool = False  # the last plan was made on the degraded path
     # False from a failure until the restarted worker reports ready: routing skips it.
     is_up: bool = True
+    # Draining: takes no new request, finishes (or, past its drain timeout, hands on) the
+    # ones it has. Removed: drained and released; its index stays so none other shifts.
+    is_draining: bool = False
+    is_removed: bool = False
     num_failures: int = 0
     # `chunk_complete` / `cache_evict` events, double-buffered: those produced while a
     # step runs are handled before the next plan.
@@ -100,3 +104,8 @@ class WorkerState:
     refit: OnlineRefit | None = None
     # (request id, chunk index) -> (charged, budgeted) seconds: a chunk's share of its step.
     chunk_charges: dict[tuple[str, int], tuple[float, float]] = field(default_factory=dict)
+
+    @property
+    def is_routable(self) -> bool:
+        """Takes new requests (and a failed worker's)."""
+        return self.is_up and not self.is_draining and not self.is_removed

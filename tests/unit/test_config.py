@@ -112,7 +112,8 @@ def test_every_setting_is_documented() -> None:
     sections = schema["$defs"]
     assert set(schema["properties"]) == {"worker", "cache", "scheduler", "flow", "protections",
                                          "degraded", "calibration", "cluster", "recovery",
-                                         "metrics", "journal", "edge", "batch", "slo"}
+                                         "metrics", "journal", "edge", "batch", "slo",
+                                         "scaling"}
     for name, section in sections.items():
         for field, spec in section["properties"].items():
             assert spec.get("description"), f"{name}.{field} has no description"
@@ -352,3 +353,17 @@ def test_serve_exports_api_keys_and_knows_loopback(monkeypatch: pytest.MonkeyPat
         export_api_keys(["bad key"])
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("example.com")
+
+
+def test_scaling_is_off_by_default_and_its_bounds_are_checked_by_name(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    options = TokenflowConfig().controller_options()
+    assert not options.scaling.enabled  # the pool is what started: today's behaviour
+    monkeypatch.setenv("TOKENFLOW_SCALING__MAX_WORKERS", "6")
+    config = TokenflowConfig(scaling={"enabled": True, "min_workers": 2})
+    assert (config.scaling.min_workers, config.scaling.max_workers) == (2, 6)
+    assert config.controller_options().scaling == config.scaling
+    with pytest.raises(ValidationError, match="min_workers"):
+        TokenflowConfig(scaling={"min_workers": 7})
+    with pytest.raises(ValidationError, match=r"scaling\.drain_timeout_s"):
+        TokenflowConfig(scaling={"drain_timeout_s": 0})

@@ -110,7 +110,7 @@ def test_the_dashboard_has_the_variables_rows_and_a_state_timeline() -> None:
     assert variables["worker"]["type"] == "query"
     rows = [p["title"] for p in dash["panels"] if p["type"] == "row"]
     assert rows == ["Latency", "Throughput", "Controller", "KV cache", "Protections",
-                    "Tenants"]
+                    "Tenants", "Worker pool"]
     panels = [p for p in dash["panels"] if p["type"] != "row"]
     assert any(p["type"] == "state-timeline" for p in panels)
     for panel in panels:

@@ -3,6 +3,7 @@ RayService embeds exactly that config, and the cluster launcher config validates
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -78,3 +79,41 @@ def test_cluster_launcher_points_every_node_at_the_heads_redis() -> None:
     for commands in (config["head_start_ray_commands"], config["worker_start_ray_commands"]):
         start = next(cmd for cmd in commands if "ray start" in cmd)
         assert "TOKENFLOW_CLUSTER__REDIS_URL=redis://" in start and ":6379/0" in start
+
+
+def test_the_ingress_autoscales_and_the_worker_pool_fits_the_node_groups() -> None:
+    """Serve scales the ingress deployment (the name the code gives it) by autoscaling_config;
+    the controller's scaling bounds fit the GPU worker group's in both cluster files (one
+    worker per GPU node), and the controller is pinned to the head, the only node that
+    declares its resource (no scale-down removes it)."""
+    from ray.serve.schema import ServeDeploySchema
+
+    from cluster.ingress import TokenflowIngress
+
+    config = load("serve.yaml")
+    (app,) = ServeDeploySchema.model_validate(config).applications
+    (deployment,) = app.deployments
+    assert deployment.name == TokenflowIngress.name
+    scaling = deployment.autoscaling_config
+    assert 1 <= scaling["min_replicas"] < scaling["max_replicas"]
+    settings = TokenflowConfig(**config["applications"][0]["args"])
+    assert settings.scaling.enabled and settings.scaling.wait_for_nodes
+    resource = settings.cluster.controller_resource
+    assert resource is not None
+
+    launcher = load("ray-cluster.yaml")
+    nodes = launcher["available_node_types"]
+    assert nodes[launcher["head_node_type"]]["resources"] == {resource: 1}
+    gpu = nodes["gpu_worker"]
+    assert gpu["min_workers"] <= settings.scaling.min_workers
+    assert gpu["max_workers"] == settings.scaling.max_workers <= launcher["max_workers"]
+
+    cluster = load("kuberay-rayservice.yaml")["spec"]["rayClusterConfig"]
+    assert cluster["enableInTreeAutoscaling"] is True
+    head_resources = json.loads(yaml.safe_load(cluster["headGroupSpec"]["rayStartParams"]
+                                               ["resources"]))
+    assert head_resources == {resource: 1}
+    (group,) = cluster["workerGroupSpecs"]
+    assert "resources" not in group["rayStartParams"]  # the controller never lands there
+    assert group["minReplicas"] <= settings.scaling.min_workers
+    assert group["maxReplicas"] == settings.scaling.max_workers

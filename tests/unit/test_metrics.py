@@ -127,3 +127,28 @@ def test_every_flow_transition_and_worker_node_has_a_series_from_the_first_scrap
     assert len(changes) == len(Mode) * (len(Mode) - 1)
     assert all(value == 0 for _, value in changes)
     assert s[("tokenflow_worker_node", (("node", "node-a"), ("worker", "0")))] == 1
+
+
+def test_pool_states_and_scale_events_have_every_series_from_the_first_scrape() -> None:
+    """Before any worker has started (an empty snapshot), `tokenflow_workers` has each
+    state and `tokenflow_scale_events_total` each known (direction, reason), at 0; a
+    removed worker is left out under its own index, no other index shifts."""
+    from controller.pool import SCALE_EVENT_LABELS, WORKER_STATES
+
+    s = _samples(render(MetricsSnapshot([], RequestMetrics().snapshot()), MetricsConfig(),
+                        SloConfig()))
+    assert {k[1][0][1]: v for k, v in s.items() if k[0] == "tokenflow_workers"} == \
+        dict.fromkeys(WORKER_STATES, 0)
+    events = {tuple(v for _, v in k[1]): n for k, n in s.items()
+              if k[0] == "tokenflow_scale_events_total"}
+    assert events == dict.fromkeys(SCALE_EVENT_LABELS, 0)
+    h = Harness(num_blocks=100, budget=64)
+    stats = h.core.worker_stats(0)
+    snap = MetricsSnapshot([stats, stats], RequestMetrics().snapshot(), None,
+                           ["node-a", "node-b"], [0, 2], {"serving": 2},
+                           {("up", "queue"): 3})
+    s = _samples(render(snap, MetricsConfig(), SloConfig()))
+    assert {k[1][0][1] for k in s if k[0] == "tokenflow_worker_up"} == {"0", "2"}
+    assert s[("tokenflow_worker_node", (("node", "node-b"), ("worker", "2")))] == 1
+    assert s[("tokenflow_workers", (("state", "serving"),))] == 2
+    assert s[("tokenflow_scale_events_total", (("direction", "up"), ("reason", "queue")))] == 3
