@@ -81,20 +81,25 @@ def test_a_refused_choice_aborts_the_admitted_ones() -> None:
     assert fake.aborted == fake.started and len(fake.started) == 1
 
 
-def test_batch_lines_refuse_several_choices() -> None:
+def test_batch_lines_take_several_choices_up_to_the_edge_limit() -> None:
     import json
 
     from cluster.batch_io import prepare_line
     from cluster.config import TokenflowConfig
-    from cluster.frontend import Frontend
+    from cluster.frontend import Frontend, Prepared
     from workers.presets import resolve_model
     from workers.tokenizer import Tokenizer
 
     frontend = Frontend(Tokenizer(resolve_model("builtin:tiny")), TokenflowConfig(), 512)
-    line = json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions",
-                       "body": {"model": "builtin:tiny", "prompt": "hi", "n": 2}})
-    custom_id, result = prepare_line(line, frontend)
-    assert custom_id == "a" and getattr(result, "param", None) == "n"
+
+    def line(n: int) -> str:
+        return json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions",
+                           "body": {"model": "builtin:tiny", "prompt": "hi", "n": n}})
+
+    custom_id, result = prepare_line(line(2), frontend)
+    assert custom_id == "a" and isinstance(result, Prepared)
+    _, result = prepare_line(line(99), frontend)  # over edge.max_choices
+    assert getattr(result, "param", None) == "n"
 
 
 def test_prompt_logprobs_sent_again_after_a_resume_are_taken_once() -> None:
