@@ -1,8 +1,8 @@
 """Greedy streams through the controller's one protocol, with a process killed mid-run.
 
 Shared by the chaos tests (`tests/integration/test_*_restart.py`) and the chaos benchmark:
-every stream's tokens, finish reason, error and the longest wait between two of its deltas
-(the pause a client saw).
+every stream's tokens, finish reason, error, the longest wait between two of its deltas
+(the pause a client saw) and the worker it was admitted to.
 """
 
 from __future__ import annotations
@@ -22,13 +22,14 @@ class StreamResult:
     finish_reason: str | None
     error: str | None
     longest_wait_s: float
+    worker: int = -1  # the worker it was admitted to
 
 
 async def stream(client: RayControllerClient, prompt: list[int], params: SamplingParams,
-                 request_id: str, on_started: Callable[[], None] | None = None
+                 request_id: str, on_started: Callable[[int], None] | None = None
                  ) -> StreamResult:
-    """One request to its end; `on_started` once it has 2 tokens."""
-    _, deltas = await client.submit(prompt, params, request_id, 0, "default")
+    """One request to its end; `on_started(its worker)` once it has 2 tokens."""
+    ack, deltas = await client.submit(prompt, params, request_id, 0, "default")
     tokens: list[int] = []
     finish, error = None, None
     last, longest_wait = time.monotonic(), 0.0
@@ -39,21 +40,24 @@ async def stream(client: RayControllerClient, prompt: list[int], params: Samplin
         finish = delta.finish_reason or finish
         error = delta.error or error
         if on_started is not None and len(tokens) >= 2 > len(tokens) - len(delta.token_ids):
-            on_started()
-    return StreamResult(tokens, finish, error, longest_wait)
+            on_started(ack.worker)
+    return StreamResult(tokens, finish, error, longest_wait, ack.worker)
 
 
 async def run_streams(client: RayControllerClient, prompts: list[list[int]],
                       params: SamplingParams, tag: str,
                       kill: Callable[[], Awaitable[None]] | None = None,
-                      num_started_before_kill: int = 4, timeout_s: float = 300.0
-                      ) -> list[StreamResult]:
+                      num_started_before_kill: int = 4, timeout_s: float = 300.0,
+                      kill_after_worker: int | None = None) -> list[StreamResult]:
     """Every prompt at once; with `kill`, call it once `num_started_before_kill` streams
-    have 2 tokens (the kill lands mid-stream)."""
+    have 2 tokens (the kill lands mid-stream), counting only the streams admitted to
+    `kill_after_worker` when given (the kill then lands while that worker streams)."""
     started = asyncio.Event()
     num_started = [0]
 
-    def on_started() -> None:
+    def on_started(worker: int) -> None:
+        if kill_after_worker is not None and worker != kill_after_worker:
+            return
         num_started[0] += 1
         if num_started[0] >= num_started_before_kill:
             started.set()
