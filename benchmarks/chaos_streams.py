@@ -8,9 +8,11 @@ every stream's tokens, finish reason, error, the longest wait between two of its
 from __future__ import annotations
 
 import asyncio
+import statistics
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from cluster.controller_client import RayControllerClient
 from controller.messages import SamplingParams
@@ -68,3 +70,19 @@ async def run_streams(client: RayControllerClient, prompts: list[list[int]],
         await asyncio.wait_for(started.wait(), 120)
         await kill()
     return list(await asyncio.wait_for(asyncio.gather(*tasks), timeout_s))
+
+
+def summary(pauses: list[float], runs: list[list[StreamResult]],
+            reference: list[StreamResult]) -> dict[str, Any]:
+    """A chaos scenario's row: the pause (the longest wait of any stream per repetition,
+    P50 / max over them), requests lost (errors or unfinished; goal 0) and outputs
+    identical to the reference (goal: all)."""
+    num_lost = sum(1 for run in runs for r in run
+                   if r.error is not None or r.finish_reason is None)
+    num_identical = sum(1 for run in runs for r, ref in zip(run, reference, strict=True)
+                        if r.token_ids == ref.token_ids)
+    return {"num_repetitions": len(runs), "num_requests": sum(len(run) for run in runs),
+            "pause_s": {"p50": statistics.median(pauses), "max": max(pauses),
+                        "each": pauses},
+            "num_requests_lost": num_lost, "num_outputs_identical": num_identical,
+            "all_identical": num_identical == sum(len(run) for run in runs)}
