@@ -5,41 +5,38 @@ streams run once undisturbed for reference, then, per scenario and repetition, a
 a worker process (or the controller process) is killed once 4 streams have 2 tokens. For
 each scenario: the recovery pause (the longest wait between two deltas of any stream,
 P50 / max over the repetitions), requests lost (errors or unfinished; goal 0) and outputs
-identical to the reference (goal: all). The journal's cost on the step loop comes from the
+identical to the reference (goal: all). The node-loss scenes (benchmarks/node_loss_scene.py)
+do the same on several Ray nodes while a worker's node or the controller's node dies, with
+Ray's default node health checks. The journal's cost on the step loop comes from the
 journal benchmark, measured in the same run.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
-import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from benchmarks import journal_bench
-from benchmarks.chaos_streams import StreamResult, run_streams
+from benchmarks.chaos_streams import StreamResult, run_streams, summary
 from cluster.config import TokenflowConfig
 from cluster.controller_client import RayControllerClient
 from controller.messages import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 PROMPTS = [[(13 * i + 7 * j + 3) % 480 + 1 for i in range(15 + 3 * j)] for j in range(16)]
-
-
-def _summary(pauses: list[float], runs: list[list[StreamResult]],
-             reference: list[StreamResult]) -> dict[str, Any]:
-    num_lost = sum(1 for run in runs for r in run
-                   if r.error is not None or r.finish_reason is None)
-    num_identical = sum(1 for run in runs for r, ref in zip(run, reference, strict=True)
-                        if r.token_ids == ref.token_ids)
-    return {"num_repetitions": len(runs), "num_requests": sum(len(run) for run in runs),
-            "pause_s": {"p50": statistics.median(pauses), "max": max(pauses),
-                        "each": pauses},
-            "num_requests_lost": num_lost, "num_outputs_identical": num_identical,
-            "all_identical": num_identical == sum(len(run) for run in runs)}
+ROOT = Path(__file__).resolve().parents[1]
+NODE_LOSS_TIMEOUT_S = 900
+NODE_LOSSES = ("a head, two worker nodes, two controller nodes (ray.cluster_utils.Cluster on "
+               "this machine); every process of the lost node SIGKILLed at once; Ray's default "
+               "node health checks (every 3 s, dead after 5 failures)")
 
 
 async def _scenarios(controller: Any, num_reps: int) -> dict[str, Any]:
@@ -64,8 +61,18 @@ async def _scenarios(controller: Any, num_reps: int) -> dict[str, Any]:
             runs.append(run)
             pauses.append(max(r.longest_wait_s for r in run))
             await controller.wait_workers_up.remote(120)  # the next kill finds all up
-        report[name] = _summary(pauses, runs, reference)
+        report[name] = summary(pauses, runs, reference)
     return report
+
+
+def _node_losses(num_reps: int) -> dict[str, Any]:
+    """The node-loss scenes (benchmarks/node_loss_scene.py), in a process of their own: a
+    driver joins one Ray cluster per process."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "node_losses.json"
+        subprocess.run([sys.executable, "-m", "benchmarks.node_loss_scene", str(path),
+                        str(num_reps)], cwd=ROOT, check=True, timeout=NODE_LOSS_TIMEOUT_S)
+        return json.loads(path.read_text())
 
 
 def run(quick: bool, out_dir: Path) -> dict[str, Any]:
@@ -97,6 +104,7 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     finally:
         ray.shutdown()
         server.kill()
+    scenarios.update(_node_losses(num_reps))
     journal = journal_bench.run(quick, out_dir)
     targets = {
         "requests_lost": {"value": sum(s["num_requests_lost"] for s in scenarios.values()),
@@ -111,6 +119,7 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     targets["journal_overhead_share"]["met"] = journal["overhead_share_of_step"] <= 0.05
     return {"benchmark": "chaos", "model": "builtin:tiny", "num_streams": len(PROMPTS),
             "max_tokens": PARAMS.max_tokens, "scenarios": scenarios,
+            "node_losses": NODE_LOSSES,
             "journal": {k: journal[k] for k in ("overhead_ms_per_step", "overhead_share_of_step",
                                                 "round_trips_per_step", "cpu_per_step_ms")},
             "targets": targets, "wall_s": time.perf_counter() - started}

@@ -316,6 +316,7 @@ class ControllerActor:
                 else "",
                 "journal": dataclasses.asdict(journal) if journal is not None else None,
                 "num_resumed": self.resumer.num_resumed,
+                "journal_error": self.resumer.journal_error,  # unreadable at start
                 "num_resumed_streams": self.resumer.num_resumed_streams,
                 "num_unclaimed": len(self.resumer.unclaimed),
                 "num_unclaimed_finished": sum(1 for u in self.resumer.unclaimed.values()

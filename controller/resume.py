@@ -51,6 +51,9 @@ class Resume:
         # Resumed echo requests whose consumer had a token, so their prompt's
         # log-probabilities (recomputed with the prompt) are not sent twice.
         self.has_prompt_logprobs: set[str] = set()
+        # Why the journal could not be read at start (Redis unreachable), else None: what a
+        # consumer that asks to resume is told.
+        self.journal_error: str | None = None
 
     async def open_journal(self) -> list[JournalRecord]:
         """Start the journal (when Redis is configured) and read back what an earlier
@@ -64,8 +67,9 @@ class Resume:
         try:
             return await asyncio.to_thread(self.journal.load_unfinished)
         except Exception as err:  # Redis down: serve on, the earlier requests are lost
-            logger.error("could not read the journal, no request resumed: %s: %s",
-                         type(err).__name__, err)
+            self.journal_error = f"{type(err).__name__}: {err}"
+            logger.error("could not read the journal, no request resumed: %s",
+                         self.journal_error)
             return []
 
     def restore(self, core: ControllerCore, records: list[JournalRecord],

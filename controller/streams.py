@@ -92,10 +92,12 @@ class Streams:
         """Attach one journaled request to `sub`, its tokens from `num_delivered` on."""
         unclaimed = self.resume.unclaimed.pop(request_id, None)
         if unclaimed is None:
+            why = ("no journal, or admitted just before the crash"
+                   if self.resume.journal_error is None else
+                   f"the journal could not be read at restart: {self.resume.journal_error}")
             sub.push(RequestOutput(
                 request_id, [], FinishReason.ABORT, 0, 0,
-                error="the controller restarted and cannot resume this request (no "
-                      "journal, or admitted just before the crash)"))
+                error=f"the controller restarted and cannot resume this request ({why})"))
             return False
         self.resume.num_resumed_streams += 1
         tokens, last = unclaimed.token_ids, unclaimed.last

@@ -101,6 +101,7 @@ class WorkerSlot:
         self.num_routed = 0
         self.num_steps = 0
         self.num_failures = 0
+        self.num_requests_moved = 0  # unfinished requests its failures moved to others
         # Exceptions in the controller's own part of a step (a bug, not the worker's fault).
         self.num_controller_errors = 0
         self.wall_s = 0.0  # controller wall time per step, summed
@@ -284,8 +285,11 @@ class WorkerSlot:
         self.up.clear()
         self.loop.forget_in_flight()  # its result is lost with the worker's state
         dead_incarnation = self.info.incarnation
+        held = list(self.core.scheduler(self.index).requests)
         moved_to, aborted = self.core.worker_failed(
             self.index, self.recovery.max_worker_failures_per_request)
+        self.num_requests_moved += sum(
+            self.core.request_to_worker.get(r, self.index) != self.index for r in held)
         self.listener.deliver(aborted)
         self.listener.on_requests_moved(moved_to)
         self.stepped.set()  # its requests left: a drain waiting on them is done
@@ -325,6 +329,7 @@ class WorkerSlot:
             **dataclasses.asdict(self.core.worker_stats(self.index)),
             "num_routed": self.num_routed, "num_loop_steps": self.num_steps,
             "num_failures": self.num_failures, "parked": self.parked.is_set(),
+            "num_requests_moved": self.num_requests_moved,
             "num_controller_errors": self.num_controller_errors,
             "step_wall_ms_avg": 1e3 * self.wall_s / steps,
             "worker_compute_ms_avg": 1e3 * self.compute_s / steps,

@@ -2,152 +2,194 @@
 
 Run by `test_multinode.py` in its own process (`python -m tests.integration.multinode_scenario
 OUT.json`): a driver joins one Ray cluster per process, and the suite's session cluster
-lives in the pytest process. Prints nothing the test reads; writes what it observed to OUT.
+lives in the pytest process. Prints nothing the test reads; writes what it observed to OUT
+(also what it saw before a failure: the test names the phase that did not finish).
 
-The layout: a head (the driver only), two worker nodes that declare `tokenflow_worker: 1`
-and one controller node that declares `tokenflow_controller: 1`; a `redis-server` of its
-own holds the journal. Then:
+The layout (benchmarks/node_cluster.py): a head (the driver only), two worker nodes, two
+controller nodes (the controller on one, the other a spare); a `redis-server` of its own
+holds the journal; Ray's node health checks shortened so that a dead node is declared dead
+in about 2 s. Every phase waits on what it needs to have happened (a stream's tokens, the
+GCS's node table, the controller's `wait_workers_up`, its stats), never on time. Then:
 1. 16 greedy streams undisturbed: the reference.
-2. The same 16 again while one worker node is removed (its raylet and processes killed).
-3. A new worker node joins: the lost worker is restarted there and takes requests again.
-4. The same 16 while the controller's node is removed, a spare controller node present:
-   Ray restarts the controller there, it resumes every request from Redis.
+2. The same 16 while one worker node is removed once 4 of the streams on its worker have 2
+   tokens: the controller moves that worker's requests to the other.
+3. A worker node joins: the lost worker is restarted there and takes new requests.
+4. The same 16 while the controller's node is removed: Ray restarts the controller on the
+   spare, which resumes every request from Redis.
+5. Redis's node is lost (the server killed) while the controller lives: the same 16 lose
+   nothing. Then, Redis still gone, the controller's node too (a new spare there): every
+   open stream ends with an error that says the journal could not be read, none hangs;
+   once Redis is back (empty) the restarted controller serves the same 16 again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sys
 import time
 from typing import Any
 
-# Before Ray is imported: keep "127.0.0.1" as every node's address (loopback only).
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+from benchmarks.node_cluster import (
+    CONTROLLER_RESOURCE,
+    FAST_DETECTION,
+    WORKER_RESOURCE,
+    NodeCluster,
+    controller_config,
+)
 
-WORKER_RESOURCE = "tokenflow_worker"
-CONTROLLER_RESOURCE = "tokenflow_controller"
 NAMESPACE = "tokenflow-multinode"
-NUM_TOKENS = 24
+NUM_TOKENS = 48  # long enough that a kill at 2 tokens lands mid-stream
 PROMPTS = [[(7 * i + 13 * j + 3) % 500 + 1 for i in range(17 + 3 * j)] for j in range(16)]
+SCENARIO_S = 150.0  # the whole scenario; the test's own bound is above it
+WAIT_S = 60.0  # any one wait on the cluster
 
 
-def _node_args(**resources: float) -> dict[str, Any]:
-    return {"num_cpus": 1, "resources": resources, "node_ip_address": "127.0.0.1",
-            "object_store_memory": 80 * 1024 * 1024}
+def _tokens(results: list[Any]) -> list[dict[str, Any]]:
+    return [
+        {
+            "token_ids": r.token_ids,
+            "finish_reason": r.finish_reason,
+            "error": r.error,
+            "longest_wait_s": r.longest_wait_s,
+            "worker": r.worker,
+        }
+        for r in results
+    ]
 
 
-async def _run(cluster: Any, redis_url: str, out: dict[str, Any]) -> None:
-    import ray
-
+async def _run(nodes: NodeCluster, redis: Any, out: dict[str, Any]) -> None:
     from benchmarks.chaos_streams import run_streams
-    from cluster.config import TokenflowConfig
     from cluster.controller_client import RayControllerClient
     from controller.actor import get_or_create_controller
     from controller.messages import SamplingParams
 
     params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
-    worker_nodes = [cluster.add_node(**_node_args(**{WORKER_RESOURCE: 1})) for _ in range(2)]
-    controller_node = cluster.add_node(**_node_args(**{CONTROLLER_RESOURCE: 1}))
-    cluster.wait_for_nodes()
-    out["node_ids"] = {"workers": [n.node_id for n in worker_nodes],
-                       "controller": controller_node.node_id}
-    config = TokenflowConfig(
-        worker={"model": "builtin:tiny"},
-        cache={"block_size": 8, "num_kv_blocks": 256},
-        scheduler={"max_num_batched_tokens": 64},
-        cluster={"namespace": NAMESPACE, "worker_num_cpus": 0.5, "controller_num_cpus": 0.1,
-                 "worker_resource": WORKER_RESOURCE,
-                 "controller_resource": CONTROLLER_RESOURCE, "redis_url": redis_url})
+    workers = [nodes.add_node(WORKER_RESOURCE) for _ in range(2)]
+    controllers = [nodes.add_node(CONTROLLER_RESOURCE) for _ in range(2)]
+    out["node_ids"] = {
+        "workers": [n.node_id for n in workers],
+        "controllers": [n.node_id for n in controllers],
+    }
+    config = controller_config(NAMESPACE, redis.url)
     controller = get_or_create_controller(config.controller_options())
-    info = await asyncio.wait_for(controller.model_info.remote(), 180)
-    out["start"] = {"num_workers": info["num_workers"], "nodes": info["nodes"],
-                    "controller_node": (await controller.stats.remote())["node"]}
+    info = await asyncio.wait_for(controller.model_info.remote(), WAIT_S)
+    stats = await controller.stats.remote()
+    out["start"] = {
+        "num_workers": info["num_workers"],
+        "nodes": info["nodes"],
+        "controller_node": stats["node"],
+    }
     client = RayControllerClient(controller)
 
-    def tokens(results: list[Any]) -> list[dict[str, Any]]:
-        return [{"token_ids": r.token_ids, "finish_reason": r.finish_reason, "error": r.error,
-                 "longest_wait_s": r.longest_wait_s} for r in results]
+    async def streams(
+        tag: str, kill: Any = None, on_worker: int | None = None
+    ) -> list[dict[str, Any]]:
+        return _tokens(
+            await run_streams(
+                client,
+                PROMPTS,
+                params,
+                tag,
+                kill=kill,
+                timeout_s=WAIT_S,
+                kill_after_worker=on_worker,
+            )
+        )
 
-    out["reference"] = tokens(await run_streams(client, PROMPTS, params, "ref"))
+    out["phase"] = "reference"
+    out["reference"] = await streams("ref")
 
-    # 2. A worker node dies mid-stream.
-    lost = worker_nodes[0]
+    out["phase"] = "worker node lost"
+    lost = workers[0]
     lost_worker = info["nodes"].index(lost.node_id)
+    lost_streams = await streams("wlost", lambda: nodes.remove(lost), lost_worker)
+    detected_s = await nodes.wait_node_dead(lost.node_id, WAIT_S)
+    slot = (await controller.stats.remote())["workers"][lost_worker]
+    out["worker_node_lost"] = {
+        "streams": lost_streams,
+        "lost_worker": lost_worker,
+        "num_failures": slot["num_failures"],
+        "num_requests_moved": slot["num_requests_moved"],
+        "is_up": slot["is_up"],
+        "dead_after_s": detected_s,
+    }
 
-    async def remove_worker_node() -> None:
-        cluster.remove_node(lost, allow_graceful=False)
-
-    out["worker_node_lost"] = tokens(await run_streams(client, PROMPTS, params, "wlost",
-                                                       kill=remove_worker_node))
-
-    # 3. A node joins; the lost worker comes back on it and takes requests.
-    joined = cluster.add_node(**_node_args(**{WORKER_RESOURCE: 1}))
-    await asyncio.wait_for(controller.wait_workers_up.remote(180), 200)
+    out["phase"] = "worker node joins"
+    joined = nodes.add_node(WORKER_RESOURCE)
+    await asyncio.wait_for(controller.wait_workers_up.remote(WAIT_S), WAIT_S + 10)
     before = (await controller.stats.remote())["workers"][lost_worker]["num_routed"]
-    after_join = await run_streams(client, PROMPTS, params, "joined")
-    stats = await controller.stats.remote()
-    out["joined"] = {"node_id": joined.node_id, "lost_worker": lost_worker,
-                     "worker_node": stats["workers"][lost_worker]["node"],
-                     "num_routed_after_join": stats["workers"][lost_worker]["num_routed"]
-                     - before, "streams": tokens(after_join)}
+    after_join = await streams("joined")
+    slot = (await controller.stats.remote())["workers"][lost_worker]
+    out["joined"] = {
+        "node_id": joined.node_id,
+        "worker_node": slot["node"],
+        "num_routed_after_join": slot["num_routed"] - before,
+        "streams": after_join,
+    }
 
-    if os.environ.get("TOKENFLOW_MULTINODE_CONTROLLER_LOSS") == "1":
-        await _lose_the_controller_node(cluster, controller, controller_node, client, params,
-                                        tokens, out)
-    report = await asyncio.wait_for(controller.check_integrity.remote(), 120)
+    out["phase"] = "controller node lost"
+    out["controller_node_lost"] = await _lose_the_controller_node(
+        nodes, controller, controllers, lambda kill: streams("clost", kill)
+    )
+    controllers.append(nodes.add_node(CONTROLLER_RESOURCE))  # the next loss's spare
+
+    out["phase"] = "redis lost"
+    out["redis_lost"] = await streams("rlost", lambda: asyncio.to_thread(redis.kill))
+    out["journal_while_redis_lost"] = (await controller.stats.remote())["journal"]
+
+    out["phase"] = "controller node lost while redis is lost"
+    out["controller_and_redis_lost"] = await _lose_the_controller_node(
+        nodes, controller, controllers, lambda kill: streams("crlost", kill)
+    )
+    out["journal_error"] = (await controller.stats.remote())["journal_error"]
+    redis.start()  # on its port again, empty: what a replaced Redis node would be
+    out["phase"] = "serving after redis is back"
+    out["after_redis_back"] = await streams("back")
+
+    out["phase"] = "integrity"
+    report = await asyncio.wait_for(controller.check_integrity.remote(), WAIT_S)
     out["integrity_checked"] = [w["checked"] for w in report["workers"]]
     await controller.shutdown.remote()
-    ray.kill(controller, no_restart=True)
+    out["phase"] = "done"
 
 
-async def _lose_the_controller_node(cluster: Any, controller: Any, controller_node: Any,
-                                    client: Any, params: Any, tokens: Any,
-                                    out: dict[str, Any]) -> None:
-    """4. The controller's node dies mid-stream; a spare controller node is there. Out of
-    the suite for now: it passed alone but failed once under the whole suite's load."""
-    from benchmarks.chaos_streams import run_streams
-
-    spare = cluster.add_node(**_node_args(**{CONTROLLER_RESOURCE: 1}))
-    cluster.wait_for_nodes()
-    pid_before = (await controller.stats.remote())["pid"]
-
-    async def remove_controller_node() -> None:
-        cluster.remove_node(controller_node, allow_graceful=False)
-
+async def _lose_the_controller_node(
+    nodes: NodeCluster, controller: Any, controllers: list[Any], run: Any
+) -> dict[str, Any]:
+    """Remove the node the controller runs on while `run` streams; what came of it."""
+    before = await controller.stats.remote()
+    (node,) = [n for n in controllers if n.node_id == before["node"]]
+    controllers.remove(node)
     started = time.monotonic()
-    out["controller_node_lost"] = tokens(await run_streams(
-        client, PROMPTS, params, "clost", kill=remove_controller_node))
-    stats = await controller.stats.remote()
-    out["controller_after"] = {"spare_node": spare.node_id, "node": stats["node"],
-                               "pid_changed": stats["pid"] != pid_before,
-                               "num_resumed": stats["num_resumed"],
-                               "elapsed_s": time.monotonic() - started}
+    results = await run(lambda: nodes.remove(node))
+    elapsed = time.monotonic() - started
+    after = await asyncio.wait_for(controller.stats.remote(), WAIT_S)
+    return {
+        "streams": results,
+        "lost_node": node.node_id,
+        "node": after["node"],
+        "spares": [n.node_id for n in controllers],
+        "pid_changed": after["pid"] != before["pid"],
+        "num_resumed": after["num_resumed"],
+        "elapsed_s": elapsed,
+    }
 
 
 def main(path: str) -> int:
-    import ray
-    from ray.cluster_utils import Cluster
-
-    from tests.redis_server import RedisServer, free_port
+    from tests.redis_server import RedisServer
 
     redis = RedisServer().start()
-    # The head's agent on a free port: Ray's default (52365) may be another local cluster's.
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "node_ip_address": "127.0.0.1", "include_dashboard": False,
-        "dashboard_agent_listen_port": free_port(),
-        "object_store_memory": 80 * 1024 * 1024})
     out: dict[str, Any] = {}
     try:
-        ray.init(address=cluster.address, namespace=NAMESPACE, logging_level="WARNING",
-                 log_to_driver=False)
-        asyncio.run(asyncio.wait_for(_run(cluster, redis.url, out), 600))
+        nodes = NodeCluster.start(NAMESPACE, FAST_DETECTION)
+        try:
+            asyncio.run(asyncio.wait_for(_run(nodes, redis, out), SCENARIO_S))
+        finally:
+            nodes.shutdown()
     finally:
         with open(path, "w") as f:
             json.dump(out, f)
-        ray.shutdown()
-        cluster.shutdown()
         redis.kill()
     return 0
 
