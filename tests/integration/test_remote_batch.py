@@ -37,6 +37,7 @@ def test_remote_batch_answers_every_line(cluster: Cluster) -> None:
     out = io.StringIO()
     counts = run_remote(lines, out, cluster.config, {"done-before"}, progress=False)
     assert counts.pop("startup_ms") >= 0  # the controller was up already: connecting only
+    assert counts.pop("generation_ms") >= 0  # first request to last answer
     assert counts == {"completed": 2, "failed": 2, "failed_400": 2, "skipped": 1,
                       "completion_tokens": 8}
     records = {r["custom_id"]: r for r in map(json.loads, out.getvalue().splitlines())}
