@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import ipaddress
 import logging
 import math
@@ -70,6 +71,22 @@ def config_from_args(args: argparse.Namespace) -> TokenflowConfig:
         "worker.served_model_name": args.served_model_name,
         "calibration.auto": False if args.no_calibrate else None,
         "cluster.port": args.port, "cluster.host": args.host}))
+
+
+def with_local_threads(config: TokenflowConfig, has_gpu: bool) -> TokenflowConfig:
+    """On the local cluster `make serve` starts, CPU workers whose thread count was not set
+    share the machine's cores (2 workers on 8 cores: 4 threads each) instead of the one
+    thread Ray's fractional CPU reservation gives an actor. Measured in the peer scene on 2
+    cores (benchmarks/results/peer.json): the worker on both cores halved the users' step
+    during a long prefill and its time to first token; the controller and the ingress use
+    little CPU, and the worker's idle threads sleep (workers/__init__.py)."""
+    worker = config.worker
+    if worker.num_threads is not None or (has_gpu and worker.device != "cpu"):
+        return config
+    cores = len(os.sched_getaffinity(0))
+    num_threads = max(1, cores // worker.num_workers)
+    return config.model_copy(update={"worker": dataclasses.replace(worker,
+                                                                    num_threads=num_threads)})
 
 
 def is_loopback(host: str) -> bool:
@@ -207,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         # Redis port 6379 may be taken on this machine, ray.init picks free ports itself.
         ray.init(address="local", num_cpus=ray_num_cpus(config), _node_ip_address="127.0.0.1",
                  include_dashboard=False, namespace=config.cluster.namespace)
+        config = with_local_threads(config, ray.cluster_resources().get("GPU", 0) >= 1)
+        options = config.controller_options()
     controller = None
     # Explicit handlers, installed after ray.init (whose own SIGTERM handler would abort
     # the process): a shell starts background jobs with SIGINT ignored, and SIGTERM

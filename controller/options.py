@@ -76,9 +76,10 @@ class WorkerConfig:
         "torch intra-op threads of a CPU worker (actor or LocalEngine). None: the "
         "process's default: as many as the CPUs Ray reserves for an actor "
         "(cluster.worker_num_cpus rounded down, at least 1: Ray's OMP_NUM_THREADS), one "
-        "per core in LocalEngine. Negative counts from the cores the process may run on, "
-        "as joblib does: -1 every core, -2 all but one; never fewer than one; 0 is "
-        "refused."))
+        "per core in LocalEngine, and on the local cluster `make serve` starts the "
+        "machine's cores divided among its CPU workers. Negative counts from the cores "
+        "the process may run on, as joblib does: -1 every core, -2 all but one; never "
+        "fewer than one; 0 is refused."))
 
     def __post_init__(self) -> None:
         check_settings(self)

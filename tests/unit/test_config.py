@@ -367,3 +367,23 @@ def test_scaling_is_off_by_default_and_its_bounds_are_checked_by_name(
         TokenflowConfig(scaling={"min_workers": 7})
     with pytest.raises(ValidationError, match=r"scaling\.drain_timeout_s"):
         TokenflowConfig(scaling={"drain_timeout_s": 0})
+
+
+def test_make_serves_local_cpu_workers_share_the_cores_unless_threads_are_set(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from cluster.serve import with_local_threads
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    assert with_local_threads(TokenflowConfig(), has_gpu=False).worker.num_threads == 8
+    two = TokenflowConfig(worker={"num_workers": 2})
+    assert with_local_threads(two, has_gpu=False).worker.num_threads == 4
+    many = TokenflowConfig(worker={"num_workers": 16})
+    assert with_local_threads(many, has_gpu=False).worker.num_threads == 1
+    given = TokenflowConfig(worker={"num_threads": 3})
+    assert with_local_threads(given, has_gpu=False).worker.num_threads == 3
+    # GPU workers keep Ray's reservation; a CPU device on a GPU machine still shares.
+    assert with_local_threads(TokenflowConfig(), has_gpu=True).worker.num_threads is None
+    cpu = TokenflowConfig(worker={"device": "cpu"})
+    assert with_local_threads(cpu, has_gpu=True).worker.num_threads == 8
+    # The rest of the config is untouched.
+    assert with_local_threads(two, has_gpu=False).model_dump()["worker"]["num_workers"] == 2
