@@ -215,7 +215,7 @@ def test_batch_cli_sets_the_batch_section_and_the_offline_step(
                                           "--rows-per-shard", "9"]))
     assert (config.batch.max_in_flight, config.batch.rows_per_shard) == (3, 9)
     # One key set in the env is merged over the default profile, not in place of it.
-    assert config.batch.overrides["worker"] == {"num_threads": -2}
+    assert config.batch.overrides["worker"] == {"num_threads": -1}
     # The offline step comes from the batch profile unless the scheduler's is set.
     assert config.scheduler.max_num_batched_tokens == 4096
     assert config.scheduler.max_concurrent_chunks == 64
@@ -284,7 +284,7 @@ def test_an_old_batch_name_fails_at_start_naming_its_new_home(
         TokenflowConfig()
 
 
-def test_a_batch_jobs_own_worker_leaves_one_core_unless_worker_threads_are_set(
+def test_a_batch_jobs_own_worker_takes_every_core_unless_worker_threads_are_set(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from cluster.batch import config_from_args, parse_args
     from cluster.remote_batch import own_controller_config
@@ -292,7 +292,7 @@ def test_a_batch_jobs_own_worker_leaves_one_core_unless_worker_threads_are_set(
 
     args = parse_args(["-i", "in.jsonl", "-o", "out.jsonl"])
     assert config_from_args(args).worker.num_threads is None  # --local: torch's default
-    assert own_controller_config(config_from_args(args)).worker.num_threads == -2
+    assert own_controller_config(config_from_args(args)).worker.num_threads == -1
     cores = len(os.sched_getaffinity(0))
     assert resolve_num_threads(-1) == cores and resolve_num_threads(3) == 3
     assert resolve_num_threads(-2) == max(1, cores - 1)
