@@ -14,6 +14,7 @@ here say why in `HOW`.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import queue
@@ -21,15 +22,17 @@ import re
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from tests.integration.conftest import free_port
@@ -41,6 +44,8 @@ LINKS = (".venv", "Makefile", "pyproject.toml", "requirements-cpu.txt", "example
          "dashboards")
 SERVER_START_S = 240  # a first start builds the preset and Ray; a loaded VM is slow
 COMMAND_S = 300
+NODE_START_S = 60  # a `ray start` until its node is up (head) or registered (worker node)
+NODE_STOP_S = 16  # `ray stop`'s grace period: SIGTERM, then SIGKILL
 # Log lines a healthy start, a few requests and a SIGTERM must not print.
 NOISE = ("Connecting to existing Serve app", "graceful_shutdown failed", "budget model says",
          "Traceback")
@@ -55,6 +60,11 @@ HOW = {
                   "(skipped when prometheus is not installed: apt-get install prometheus)",
     "grafana": "not run: needs Docker and Grafana (no Grafana here); the provisioning it "
                "mounts is checked in tests/unit/test_dashboard.py",
+    "nodes": "run line by line on loopback (127.0.0.2, .3), ports free: both `ray start` "
+             "lines with `--block` (so that the test owns each node's processes and stops "
+             "them by pid, as `ray stop` would but sparing other Ray instances), the server "
+             "in the foreground; a worker listed on each node, a request answered, every "
+             "connection on loopback",
     "batch-local": "run twice: four answers, then a resume that skips them",
     "batch-cluster": "run line by line by tests/integration/test_ray_job_batch.py "
                      "(its own Ray head on free ports)",
@@ -130,7 +140,16 @@ def server(line: str, cwd: Path) -> Iterator[tuple[int, list[str]]]:
     Stopped with SIGTERM on the way out; it must exit 0."""
     port = free_port()
     env, argv = serve_argv(line, cwd, port)
-    proc = subprocess.Popen(argv, cwd=cwd, env=environment(**env), text=True,
+    with serving(argv, cwd, environment(**env)) as (_, lines):
+        yield port, lines
+
+
+@contextmanager
+def serving(argv: list[str], cwd: Path,
+            env: dict[str, str]) -> Iterator[tuple[subprocess.Popen[str], list[str]]]:
+    """`argv` (a `cluster.serve`) started and ready: (its process, its output so far).
+    Stopped with SIGTERM on the way out; it must exit 0, having logged none of `NOISE`."""
+    proc = subprocess.Popen(argv, cwd=cwd, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
     lines: list[str] = []
@@ -148,7 +167,7 @@ def server(line: str, cwd: Path) -> Iterator[tuple[int, list[str]]]:
     reader.start()
     try:
         assert ready.get(timeout=SERVER_START_S), "\n".join(lines[-40:])
-        yield port, lines
+        yield proc, lines
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -240,6 +259,142 @@ def prometheus_is_up(block: str, scratch: Path, port: int) -> None:
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+# Joins the nodes' cluster and prints its live nodes once `argv[2]` of them are up.
+LIVE_NODES = """
+import json, sys, time, ray
+ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+deadline = time.monotonic() + float(sys.argv[3])
+while len(alive := [n for n in ray.nodes() if n["Alive"]]) < int(sys.argv[2]):
+    if time.monotonic() > deadline:
+        break
+    time.sleep(0.5)
+print(json.dumps([{"id": n["NodeID"], "ip": n["NodeManagerAddress"]} for n in alive]))
+"""
+
+
+def test_many_nodes(scratch: Path) -> None:
+    """The `nodes` block: a head and a worker node on loopback addresses of this machine, a
+    server with one worker on each; `tokenflow workers list` shows both nodes, a request
+    is answered, and no process of the cluster has a socket off loopback."""
+    lines = [x for x in blocks()["nodes"].splitlines() if x.strip()]
+    ports = {name: str(free_port()) for name in (
+        "RAY_PORT", "DASHBOARD_PORT", "CLIENT_PORT", "AGENT_PORT", "NODE_AGENT_PORT", "PORT")}
+    env = environment(**ports)
+    prelude = "\n".join(x for x in lines
+                        if x.startswith(("export ", ".venv/bin/ray get-auth-token ")))
+    head, node = [x for x in lines if x.startswith(".venv/bin/ray start ")]
+    (serve,) = [x for x in lines if " -m cluster.serve " in x]
+    (listing,) = [x for x in lines if x.startswith(".venv/bin/tokenflow workers ")]
+    (curl,) = [x for x in lines if x.startswith("curl ")]
+    assert serve.endswith(" &"), serve  # in the foreground here: the test stops it
+
+    def bash(line: str) -> list[str]:
+        # `exec` after the line's own assignments: SIGTERM reaches the command itself.
+        words = re.fullmatch(r"((?:\w+=\S*\s+)*)(.*)", line)
+        assert words is not None
+        assign, rest = words.groups()
+        return ["bash", "-c", f"{prelude}\n{assign}exec {rest}"]
+
+    said = run(f"{prelude}\necho $HEAD_IP $NODE_IP $RAY_PORT", scratch, **ports)
+    head_ip, node_ip, ray_port = said.stdout.split()
+    assert ipaddress.ip_address(head_ip).is_loopback and ipaddress.ip_address(node_ip).is_loopback
+    nodes: list[subprocess.Popen[bytes]] = []
+    try:
+        # `--block`: each `ray start` stays the parent of its node's processes.
+        nodes.append(subprocess.Popen(bash(f"{head} --block"), cwd=scratch, env=env,
+                                      start_new_session=True, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL))
+        wait_listening(head_ip, int(ray_port), nodes[0])
+        nodes.append(subprocess.Popen(bash(f"{node} --block"), cwd=scratch, env=env,
+                                      start_new_session=True, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL))
+        found = run(f"{prelude}\n.venv/bin/python -c {shlex.quote(LIVE_NODES)} "
+                    f"$HEAD_IP:$RAY_PORT 2 {NODE_START_S}", scratch, **ports)
+        assert found.returncode == 0, found.stderr[-3000:]
+        live = json.loads(found.stdout.strip().splitlines()[-1])
+        assert sorted(n["ip"] for n in live) == sorted([head_ip, node_ip]), live
+        with serving(bash(serve.removesuffix("&").strip()), scratch, env) as (proc, _):
+            listed = run(f"{prelude}\n{listing}", scratch, **ports)
+            assert listed.returncode == 0, listed.stderr[-3000:]
+            asked = run(f"{prelude}\n{curl}", scratch, **ports)
+            assert asked.returncode == 0, asked.stderr
+            ends = endpoints([x.pid for x in [*nodes, proc]])
+        rows = [x.split() for x in listed.stdout.splitlines()[1:]]
+        # The node column: a prefix of a Ray node id (16 hex digits), one per worker.
+        on = {row[4] for row in rows if row[1] == "serving"}
+        assert len(rows) == 2 and len(on) == 2, listed.stdout
+        assert all(any(n["id"].startswith(x) for n in live) for x in on), (on, live)
+        assert json.loads(asked.stdout)["choices"][0]["finish_reason"] in ("stop", "length")
+        # On loopback, or a listener on every interface (Ray's gRPC servers bind those).
+        assert ends and not [who for who, ip in ends if not is_loopback_or_any(ip)], ends
+    finally:
+        for started in reversed(nodes):
+            stop_node(started)
+
+
+def wait_listening(host: str, port: int, proc: subprocess.Popen[bytes]) -> None:
+    """Until `host:port` (a head's GCS) accepts connections; bounded."""
+    deadline = time.monotonic() + NODE_START_S
+    while True:
+        assert proc.poll() is None, f"ray start exited with {proc.returncode}"
+        try:
+            with socket.create_connection((host, port), timeout=1):
+                return
+        except OSError:
+            assert time.monotonic() < deadline, f"nothing listens on {host}:{port}"
+            time.sleep(0.2)  # a poll interval
+
+
+def is_loopback_or_any(ip: str) -> bool:
+    address = ipaddress.ip_address(ip.split("%")[0])
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback or address.is_unspecified
+
+
+def endpoints(pids: list[int]) -> list[tuple[str, str]]:
+    """(who, IP) of each end of every TCP/UDP socket of these processes and their
+    descendants."""
+    seen: list[tuple[str, str]] = []
+    for pid in pids:
+        try:
+            top = psutil.Process(pid)
+            tree = [top, *top.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+        for proc in tree:
+            try:
+                connections = proc.net_connections(kind="inet")
+                name = proc.name()
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+            seen += [(f"{name} ({proc.pid}) {conn.status} {end.ip}:{end.port}", end.ip)
+                     for conn in connections for end in (conn.laddr, conn.raddr) if end]
+    return seen
+
+
+def stop_node(node: subprocess.Popen[bytes]) -> None:
+    """Stop a blocking `ray start` and its node as `ray stop` does (SIGTERM to each of its
+    processes, SIGKILL to those left after a grace period), but by pid: only this node's,
+    sparing any other Ray on the machine. SIGTERM to `ray start` alone would first wait
+    for the node to drain, up to 30 s (RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S)."""
+    try:
+        top = psutil.Process(node.pid)
+        tree = [top, *top.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        tree = []
+    for proc in tree:
+        with suppress(psutil.NoSuchProcess):
+            proc.terminate()
+    _, alive = psutil.wait_procs(tree, timeout=NODE_STOP_S)
+    for proc in alive:
+        with suppress(psutil.NoSuchProcess):
+            proc.kill()
+    psutil.wait_procs(alive, timeout=15)
+    with suppress(subprocess.TimeoutExpired):
+        node.wait(timeout=15)
 
 
 def test_gpu_block_cpu_line(scratch: Path) -> None:
