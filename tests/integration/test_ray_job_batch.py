@@ -99,7 +99,15 @@ def ray_head(tmp_path: Path) -> Iterator[tuple[dict[str, str], str]]:
         else:
             raise TimeoutError("the Ray dashboard did not come up in 120 s")
         # On loopback as asked: the raylet advertises 127.0.0.1, not the machine's address.
-        assert raylet_addresses(env["RAY_PORT"]) == ["127.0.0.1"]
+        # The dashboard can answer before the raylet's process exists (on a busy machine it
+        # did): a bounded poll for the raylet first.
+        for _ in range(120):
+            addresses = raylet_addresses(env["RAY_PORT"])
+            if addresses or head.poll() is not None:
+                break
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                head.wait(timeout=0.5)
+        assert addresses == ["127.0.0.1"]
         yield env, prelude
     finally:
         stop_head(head)
