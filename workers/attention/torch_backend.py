@@ -79,9 +79,7 @@ def _additive(visible: Tensor, dtype: torch.dtype) -> Tensor:
 def _read_blocks(cache: Tensor, block_ids: Tensor, out: Tensor | None = None) -> Tensor:
     """cache [NB, bs, Hkv, hd], block_ids [...] -> keys [..., nb * bs, Hkv, hd] (a copy, into
     `out` [nb_total, bs, Hkv, hd] when given)."""
-    flat = block_ids.reshape(-1)
-    gathered = cache.index_select(0, flat) if out is None else torch.index_select(
-        cache, 0, flat, out=out)
+    gathered = torch.index_select(cache, 0, block_ids.reshape(-1), out=out)
     return gathered.view(*block_ids.shape[:-1], -1, cache.shape[2], cache.shape[3])
 
 
