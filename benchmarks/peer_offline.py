@@ -44,13 +44,13 @@ def emit(**fields: Any) -> None:
 
 
 class TokenflowRunner:
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, dtype: str) -> None:
         from cluster.engine import LocalEngine
         from controller.messages import SamplingParams
         from workers.presets import resolve_model
 
         self.folder = str(resolve_model(model))
-        self.engine = LocalEngine(worker={"model": model})
+        self.engine = LocalEngine(worker={"model": model, "dtype": dtype})
         self.params = SamplingParams(max_tokens=OUTPUT_LEN, temperature=0.0, ignore_eos=True)
         self.vocab_size = self.engine.worker.vocab_size
         sched = self.engine.scheduler
@@ -77,10 +77,11 @@ class BatchRunner:
     profile's defaults, and stops the head. The job's summary times its start-up
     (controller and model) apart from its generation (first request to last answer)."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, dtype: str) -> None:
         from workers.presets import resolve_model
 
         self.model = str(resolve_model(model))
+        self.env = {"TOKENFLOW_WORKER__DTYPE": dtype}  # the job's controller and workers
         config = json.loads((Path(self.model) / "config.json").read_text())
         self.vocab_size = int(config["vocab_size"])
         self.budget: dict[str, Any] = {}
@@ -97,7 +98,8 @@ class BatchRunner:
             head = Head()
             head_start_s = time.perf_counter() - t0
             try:
-                head.submit(self.model, "-i", str(inp), "-o", str(out), "--no-progress")
+                head.submit(self.model, "-i", str(inp), "-o", str(out), "--no-progress",
+                            env=self.env)
             finally:
                 head.stop()
             job = json.loads(Path(f"{out}.summary.json").read_text())
@@ -115,10 +117,10 @@ def batch_line(index: int, ids: list[int], model: str) -> dict[str, Any]:
 
 
 class VllmRunner:
-    def __init__(self, model: str, eager: bool) -> None:
+    def __init__(self, model: str, eager: bool, dtype: str) -> None:
         from vllm import LLM, SamplingParams
 
-        self.llm = LLM(model=model, dtype="float32", enforce_eager=eager, seed=0)
+        self.llm = LLM(model=model, dtype=dtype, enforce_eager=eager, seed=0)
         self.params = SamplingParams(max_tokens=OUTPUT_LEN, temperature=0.0, ignore_eos=True)
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
         self.budget = {"max_num_batched_tokens":
@@ -137,11 +139,13 @@ def main() -> None:
     parser.add_argument("--engine", choices=("tokenflow", "batch", "vllm", "vllm-eager"),
                         required=True)
     parser.add_argument("--model", required=True)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="weights and activations of every engine (the checkpoint is fp32)")
     args = parser.parse_args()
     start = time.perf_counter()
-    runner: Any = (TokenflowRunner(args.model) if args.engine == "tokenflow" else
-                   BatchRunner(args.model) if args.engine == "batch" else
-                   VllmRunner(args.model, eager=args.engine == "vllm-eager"))
+    runner: Any = (TokenflowRunner(args.model, args.dtype) if args.engine == "tokenflow" else
+                   BatchRunner(args.model, args.dtype) if args.engine == "batch" else
+                   VllmRunner(args.model, eager=args.engine == "vllm-eager", dtype=args.dtype))
     emit(event="ready", startup_s=time.perf_counter() - start, **runner.budget)
     for line in sys.stdin:
         command, _, arg = line.strip().partition(" ")

@@ -104,7 +104,7 @@ class Worker(StepResults):
         self.model_path = resolve_model(model)
         self.model, self._config = load_model(self.model_path, self.dtype, self.device)
         if run.packing is not None:
-            self.model.pack_linears(run.packing)  # CPU fp32 only; a no-op elsewhere
+            self.model.pack_linears(run.packing)  # CPU fp32 or bf16; a no-op elsewhere
         self.num_kv_blocks, self.block_size = num_kv_blocks, block_size
         cfg = self._config
         self.kv_caches = allocate_kv_cache(

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from workers.attention import AttentionStep, KVCache
 from workers.model_config import ModelConfig, RopeConfig
-from workers.models.packed import maybe_pack
+from workers.models.packed import PACKED_DTYPE_TOL, maybe_pack
 from workers.sections import PackPolicy
 
 
@@ -222,10 +222,10 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def pack_linears(self, policy: PackPolicy | None = None) -> None:
-        """Give the linear layers oneDNN-packed weights (CPU fp32; see workers/models/packed.py);
-        a no-op elsewhere. Call after loading, fusing and tying."""
+        """Give the linear layers oneDNN-packed weights (CPU fp32 or bf16; see
+        workers/models/packed.py); a no-op elsewhere. Call after loading, fusing and tying."""
         weight = self.lm_head.weight
-        if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        if weight.device.type != "cpu" or weight.dtype not in PACKED_DTYPE_TOL:
             return
         policy = policy or PackPolicy()
         for layer in self.model.layers:
