@@ -3,11 +3,14 @@
     make bench-peer   # builds vLLM's CPU build in .venv-peer first
     python -m benchmarks.peer_bench --vllm-python .venv-peer/bin/python [--rounds 3]
         [--skip-offline] [--skip-served] [--no-batch] [--no-vllm] [--no-eager]
-        [--models builtin:bench ...] [--out benchmarks/results/peer.json]
+        [--models builtin:bench ...] [--dtype float32|bfloat16]
+        [--out benchmarks/results/peer.json]
 
 Both engines load the same Hugging Face folders, written by the project's own preset code
 (workers/presets.py: builtin:bench, ~57M parameters, and builtin:small, ~7M; fp32), each
-with its defaults (tokenflow calibrates itself; vLLM compiled, and eager for reference).
+with its defaults (tokenflow calibrates itself; vLLM compiled, and eager for reference) but
+one: both run the same `--dtype` (float32, the checkpoint's own, unless told; vLLM's own
+default would cast an fp32 checkpoint to bf16 on an x86 CPU, tokenflow's keeps fp32).
 - offline: each engine in its own long-lived process (benchmarks/peer_offline.py), the same
   32 prompts x 128 ids, 64 greedy tokens each; rounds alternate between the engines (the
   order flips every round) so that both see the same load on a shared machine; medians and
@@ -65,11 +68,12 @@ class OfflineEngine:
     """A peer_offline.py process: started, then driven round by round over stdin."""
 
     def __init__(self, name: str, python: str, engine: str, folder: str, env: dict[str, str],
-                 log: Path) -> None:
+                 log: Path, dtype: str = "float32") -> None:
         self.name = name
         self.log = open(log, "wb")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(
-            [python, OFFLINE, "--engine", engine, "--model", folder], stdin=subprocess.PIPE,
+            [python, OFFLINE, "--engine", engine, "--model", folder, "--dtype", dtype],
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=self.log, env={**os.environ, **env,
                                                           "PYTHONPATH": str(ROOT)},
             cwd=str(ROOT), start_new_session=True)
@@ -157,17 +161,17 @@ def batch_summary(results: list[dict[str, Any]], tokenflow: list[dict[str, Any]]
 
 def run_offline(model: str, rounds: int, vllm_python: str, log_dir: Path,
                 profile: bool, eager: bool = True, batch: bool = True,
-                vllm: bool = True) -> dict[str, Any]:
+                vllm: bool = True, dtype: str = "float32") -> dict[str, Any]:
     folder = checkpoint(model)
     tag = model.split(":")[-1]
     specs = offline_specs(vllm_python, eager, batch, vllm)
     engines: dict[str, OfflineEngine] = {}
-    out: dict[str, Any] = {"model": model, "checkpoint": folder, "engines": {}}
+    out: dict[str, Any] = {"model": model, "checkpoint": folder, "dtype": dtype, "engines": {}}
     try:
         for name, python, engine, env in specs:  # one at a time: start-up is measured
             print(f"[offline {tag}] starting {name}", flush=True)
             engines[name] = OfflineEngine(name, python, engine, folder, env,
-                                          log_dir / f"offline-{tag}-{name}.log")
+                                          log_dir / f"offline-{tag}-{name}.log", dtype)
         per: dict[str, list[dict[str, Any]]] = {name: [] for name in engines}
         order = list(engines)
         for r in range(rounds):
@@ -201,7 +205,7 @@ def run_offline(model: str, rounds: int, vllm_python: str, log_dir: Path,
         # tokenflow's first start measured its budget table; a later start loads it.
         engines.pop("tokenflow").close()
         again = OfflineEngine("tokenflow", PY, "tokenflow", folder, {},
-                              log_dir / f"offline-{tag}-tokenflow-again.log")
+                              log_dir / f"offline-{tag}-tokenflow-again.log", dtype)
         out["engines"]["tokenflow"]["startup_cached_s"] = again.ready["startup_s"]
         again.close()
         if "vllm_compiled" in out["engines"]:
@@ -229,13 +233,14 @@ def add_ratios(out: dict[str, Any]) -> None:
                                                / vllm["tok_s"]["median"])
 
 
-def run_served(model: str, rounds: int, vllm_python: str, log_dir: Path) -> dict[str, Any]:
+def run_served(model: str, rounds: int, vllm_python: str, log_dir: Path,
+               dtype: str = "float32") -> dict[str, Any]:
     folder = checkpoint(model)
     vocab = json.loads((Path(folder) / "config.json").read_text())["vocab_size"]
     vllm_bin = str(Path(vllm_python).parent / "vllm")
     tf_port, vllm_port = free_port(), free_port()
     servers: dict[str, scene.Server] = {}
-    out: dict[str, Any] = {"model": model, "checkpoint": folder, "scene": {
+    out: dict[str, Any] = {"model": model, "checkpoint": folder, "dtype": dtype, "scene": {
         "num_users": scene.NUM_USERS, "user_prompt_len": scene.USER_PROMPT_LEN,
         "user_tokens": scene.USER_TOKENS, "long_at_s": scene.LONG_AT_S,
         "long_prompt_len": scene.LONG_PROMPT_LEN, "short_after_s": scene.SHORT_AFTER_S,
@@ -244,12 +249,13 @@ def run_served(model: str, rounds: int, vllm_python: str, log_dir: Path) -> dict
         # One at a time while starting: each start-up has the machine to itself.
         servers["tokenflow"] = scene.start_server(
             "tokenflow", [PY, "-m", "cluster.serve", "--model", folder, "--port",
-                          str(tf_port)], tf_port, {"PYTHONPATH": str(ROOT)},
+                          str(tf_port)], tf_port,
+            {"PYTHONPATH": str(ROOT), "TOKENFLOW_WORKER__DTYPE": dtype},
             log_dir / "serve-tokenflow.log")
         servers["tokenflow"].wait_ready(600)
         servers["vllm"] = scene.start_server(
             "vllm", [vllm_bin, "serve", folder, "--host", "127.0.0.1", "--port",
-                     str(vllm_port), "--dtype", "float32"], vllm_port, VLLM_ENV,
+                     str(vllm_port), "--dtype", dtype], vllm_port, VLLM_ENV,
             log_dir / "serve-vllm.log")
         servers["vllm"].wait_ready(900)
         per: dict[str, list[dict[str, Any]]] = {name: [] for name in servers}
@@ -360,6 +366,19 @@ def plot(report: dict[str, Any], path: Path) -> Path | None:
     return path
 
 
+def cpu_model() -> dict[str, Any]:
+    """The CPU's name and the vector/matrix extensions the GEMMs can use (Linux)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    flags = set(fields.get("flags", "").split())
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8")
+    return {"cpu_model": fields.get("model name"), "cpu_flags": [f for f in wanted if f in flags]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--vllm-python", default=str(ROOT / ".venv-peer" / "bin" / "python"))
@@ -375,6 +394,8 @@ def main() -> None:
                         help="run vLLM (--no-vllm: tokenflow's engines only, a smoke run)")
     parser.add_argument("--profile-model", default="builtin:bench",
                         help="the model whose offline run is profiled (with the roofline)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="weights and activations of both engines (the checkpoint is fp32)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/peer.json")
     parser.add_argument("--update", action="store_true", help=(
         "keep the sections of an existing --out that this run skips (run the parts apart)"))
@@ -383,24 +404,26 @@ def main() -> None:
     log_dir.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = json.loads(args.out.read_text()) \
         if args.update and args.out.exists() else {}
-    machine = {"platform": platform.platform(), "cpus": os.cpu_count(),
+    machine = {"platform": platform.platform(), "cpus": os.cpu_count(), **cpu_model(),
                "load_avg_at_start": os.getloadavg()}
 
     def save(section: str) -> None:
         report.setdefault("machine", {})[section] = {**machine,
                                                      "load_avg_at_end": os.getloadavg()}
         report["rounds"], report["finished_unix"] = args.rounds, time.time()
+        report["dtype"] = args.dtype
         report["targets"] = targets(report)
         args.out.write_text(json.dumps(report, indent=2) + "\n")
         plot(report, args.out.with_suffix(".png"))
 
     if not args.skip_served:
-        report["served"] = run_served("builtin:bench", args.rounds, args.vllm_python, log_dir)
+        report["served"] = run_served("builtin:bench", args.rounds, args.vllm_python, log_dir,
+                                      args.dtype)
         save("served")
     if not args.skip_offline:
         report["offline"] = [run_offline(m, args.rounds, args.vllm_python, log_dir,
                                          profile=m == args.profile_model, eager=args.eager,
-                                         batch=args.batch, vllm=args.vllm)
+                                         batch=args.batch, vllm=args.vllm, dtype=args.dtype)
                              for m in args.models]
         save("offline")
     print(json.dumps(report["targets"], indent=2))

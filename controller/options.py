@@ -37,8 +37,10 @@ class WorkerConfig:
     served_model_name: str | None = setting(None, description=(
         "Name clients pass as `model`; defaults to the `model` value."))
     dtype: str = setting("float32", description=(
-        "Weights and activations dtype: float32, bfloat16 or float16 (CPU runs want "
-        "float32)."))
+        "Weights, activations and KV cache dtype: float32, bfloat16 or float16. float32 is "
+        "token-exact against transformers; bfloat16 on a CPU with AMX or AVX512-BF16 runs "
+        "oneDNN's packed bf16 GEMMs (several times fp32's rate) within bf16 rounding "
+        "(tests/workers/test_cpu_bf16.py states the tolerance)."))
     device: str = setting("auto", description=(
         "auto (CUDA when present, else CPU), cpu or cuda."))
     seed: int = setting(0, description="Seed of the workers' sampler for unseeded requests.")
@@ -53,10 +55,12 @@ class WorkerConfig:
     peak_bandwidth_gbs: float | None = setting(None, gt=0, description=(
         "Peak memory bandwidth (GB/s) for the CPU bandwidth estimate; None measures it "
         "at worker start."))
-    attention_backend: Literal["auto", "torch", "triton"] = setting("auto", description=(
-        "auto: the paged Triton kernels on CUDA, the varlen torch path on CPU (exact, the "
-        "reference); torch or triton to force one (triton on CPU only under the Triton "
-        "interpreter)."))
+    attention_backend: Literal["auto", "torch", "cpu", "triton"] = setting(
+        "auto", description=(
+            "auto: the paged Triton kernels on CUDA; on CPU `cpu` (decode rows in one C++ "
+            "kernel reading the paged cache in place, chunks on SDPA) where its kernels "
+            "build, else `torch` (SDPA over gathered blocks, the reference); torch, cpu or "
+            "triton to force one (triton on CPU only under the Triton interpreter)."))
     cuda_graphs: bool = setting(True, description=(
         "Replay CUDA graphs for decode-only steps on CUDA (captured per batch-size bucket "
         "on first use); mixed steps run eagerly."))
