@@ -22,6 +22,9 @@ $(STAMP): pyproject.toml requirements-cpu.txt
 		$(PY) -m pip install --quiet -r requirements-cpu.txt && \
 		$(PY) -m pip install --quiet -e '.[dev]'; \
 	fi
+	# The CPU worker's C++ kernels, built now so that a first start does not wait on the
+	# compiler (workers/kernels/cpu_ops.py; where they cannot build, the torch path serves).
+	$(PY) -m workers.kernels.cpu_ops || true
 	touch $(STAMP)
 
 serve: $(STAMP)

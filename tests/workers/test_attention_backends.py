@@ -60,7 +60,11 @@ def test_metadata_rejects_short_block_lists():
 
 def test_auto_backend_by_device():
     kwargs = dict(num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32)
-    assert make_backend("auto", device=CPU, **kwargs).name == "torch"
+    # The C++ decode kernel where it builds (every CI machine has gcc and ninja).
+    assert make_backend("auto", device=CPU, **kwargs).name == "cpu"
+    assert make_backend("torch", device=CPU, **kwargs).name == "torch"
+    # A dtype the kernel lacks keeps the torch path.
+    assert make_backend("cpu", device=CPU, **{**kwargs, "dtype": torch.float16}).name == "torch"
     with pytest.raises(ValueError, match="CUDA"):
         make_backend("triton", device=CPU, **kwargs)
     with pytest.raises(ValueError, match="expected one of"):
@@ -109,6 +113,37 @@ def test_torch_backend_matches_reference(waste_bytes):
     got = step.forward(case.q, case.k, case.v, (k_cache, v_cache), case.scale)
     torch.testing.assert_close(got.double(), want, atol=ATOL, rtol=0)
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+def test_cpu_backend_matches_reference():
+    """The C++ decode kernel (in place, no groups) and SDPA chunks against float64; long
+    contexts, a 0-context decode, GQA with 4 query heads per KV head, strided q."""
+    case = make_case([(1000, 1), (300, 1), (150, 1), *MIXED, (0, 1)], num_heads=8,
+                     num_kv_heads=2, head_dim=16, block_size=16, seed=2)
+    want, want_k, want_v = reference_attention(case)
+    k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+    backend = make_backend("cpu", device=CPU, num_heads=8, num_kv_heads=2, head_dim=16,
+                           dtype=torch.float32)
+    step = backend.prepare(case.meta)
+    assert step.decodes == [] and step.decode_kernel is not None
+    got = step.forward(case.q, case.k, case.v, (k_cache, v_cache), case.scale)
+    torch.testing.assert_close(got.double(), want, atol=ATOL, rtol=0)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+def test_cpu_backend_bf16_matches_the_torch_backend():
+    """bf16 cache and queries: the kernel accumulates in fp32 as SDPA does, so both round to
+    the same bf16 values but for the last bit."""
+    case = make_case([(400, 1), (64, 1), (3, 1), (20, 7)], num_heads=4, num_kv_heads=2,
+                     head_dim=64, block_size=16, seed=3, dtype=torch.bfloat16)
+    outs = []
+    for name in ("cpu", "torch"):
+        backend = make_backend(name, device=CPU, num_heads=4, num_kv_heads=2, head_dim=64,
+                               dtype=torch.bfloat16)
+        caches = (case.k_cache.clone(), case.v_cache.clone())
+        outs.append(backend.prepare(case.meta).forward(case.q, case.k, case.v, caches,
+                                                       case.scale))
+    torch.testing.assert_close(outs[0].float(), outs[1].float(), atol=2e-2, rtol=2e-2)
 
 
 # ---- Triton kernels, under the interpreter, in their own process ------------------------------

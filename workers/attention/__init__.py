@@ -9,10 +9,12 @@ that large pools cannot overflow.
 A step: `StepMetadata.build` packs the step's integers on the host and copies them once to the
 device (metadata.py); `backend.prepare(meta)` decides everything per step (groups, launch
 sizes) and returns the object every layer calls, `step.forward(q, k, v, kv_cache, scale)`.
-Backends, chosen by `make_backend` ("auto": triton on CUDA, torch on CPU; on CUDA a Triton that
-fails to import is an error, not a fall back):
-- `TorchBackend` (torch_backend.py): SDPA over gathered blocks, varlen decode groups; the CPU
-  path and the exact reference.
+Backends, chosen by `make_backend` ("auto": triton on CUDA; on CPU cpu where its C++ kernels
+build, else torch; on CUDA a Triton that fails to import is an error, not a fall back):
+- `TorchBackend` (torch_backend.py): SDPA over gathered blocks, varlen decode groups; the
+  reference the others are tested against.
+- `cpu`: the torch backend with its decode rows in one C++ kernel that reads the paged cache
+  in place (workers/kernels/csrc/cpu_attention.cpp); chunks stay on SDPA.
 - `TritonBackend` (triton_backend.py, kernels in triton_kernels.py): reads K/V straight from
   the paged cache; no gathered copies, no masks; CUDA-graph capturable.
 """
@@ -31,7 +33,7 @@ from workers.attention.torch_backend import TorchBackend
 log = logging.getLogger(__name__)
 
 KVCache = tuple[Tensor, Tensor]
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "cpu", "triton")
 
 __all__ = ["BACKENDS", "AttentionBackend", "AttentionStep", "HostStaging", "KVCache", "SeqSpan",
            "StepMetadata", "TorchBackend", "allocate_kv_cache", "make_backend"]
@@ -56,7 +58,17 @@ def make_backend(
     if name not in BACKENDS:
         raise ValueError(f"attention backend {name!r}: expected one of {BACKENDS}")
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+        name = "triton" if device.type == "cuda" else "cpu"
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError("the cpu attention backend runs on the CPU only")
+        from workers.kernels.cpu_ops import cpu_ops
+
+        ops = cpu_ops()
+        if ops is not None and dtype in (torch.float32, torch.bfloat16):
+            return TorchBackend(dtype, num_kv_heads, head_dim,
+                                decode_kernel=ops.decode_attention)
+        name = "torch"  # no compiler here (logged once), or a dtype the kernel lacks
     if name == "triton":
         # On CUDA the Triton path is the served one: a failure here is an error at start,
         # never a silent fall back to SDPA (`attention_backend="torch"` chooses that).

@@ -20,10 +20,14 @@ Cost notes:
 - Masks are built on the device from `seq_lens` and positions (`arange` comparisons), once per
   step; grouped-query heads are never materialised (`enable_gqa` for chunks; a decode's query
   heads become the query rows of their KV head).
+- With a `decode_kernel` (the `cpu` backend: workers/kernels/csrc/cpu_attention.cpp) every
+  decode row is one call that reads its blocks in place: no groups, no gathered copies, no
+  padding. Chunks keep SDPA (their many queries make it a GEMM, which the kernel is not).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,6 +38,8 @@ from torch import Tensor
 from workers.attention.metadata import StepMetadata
 
 KVCache = tuple[Tensor, Tensor]
+# (out, q, k_cache, v_cache, block_table, seq_lens, scale): decode rows' attention into `out`.
+DecodeKernel = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, float], None]
 
 
 def decode_groups(seq_lens: np.ndarray, max_padding: int) -> list[tuple[int, int]]:
@@ -86,10 +92,12 @@ def _read_blocks(cache: Tensor, block_ids: Tensor, out: Tensor | None = None) ->
 class TorchAttentionStep:
     """One step's attention over every layer (built by `TorchBackend.prepare`)."""
 
-    def __init__(self, meta: StepMetadata, dtype: torch.dtype, max_padding: int) -> None:
+    def __init__(self, meta: StepMetadata, dtype: torch.dtype, max_padding: int,
+                 decode_kernel: DecodeKernel | None = None) -> None:
         if meta.num_real_tokens != meta.num_tokens:
             raise ValueError("the torch backend runs unpadded steps only")
         self.meta = meta
+        self.decode_kernel = decode_kernel
         # One gather buffer for K and one for V, sized to the step's largest chunk context and
         # reused by every chunk of every layer (peak memory as with a fresh tensor per gather):
         # a chunk deep into a long prompt gathers MBs of context a layer, and a fresh tensor
@@ -101,7 +109,8 @@ class TorchAttentionStep:
         device, bs = meta.seq_lens.device, meta.block_size
         lens = meta.seq_lens_np
         self.decodes: list[_DecodeGroup] = []
-        for a, b in decode_groups(lens[: meta.num_decodes], max_padding):
+        groups = [] if decode_kernel else decode_groups(lens[: meta.num_decodes], max_padding)
+        for a, b in groups:
             num_keys = int(lens[a:b].max())
             mask = None
             if int(lens[a:b].min()) < num_keys:
@@ -164,6 +173,10 @@ class TorchAttentionStep:
             )  # [1, H, n, hd]
             out[rows] = o[0].transpose(0, 1)
 
+        nd = self.meta.num_decodes
+        if self.decode_kernel is not None and nd:
+            self.decode_kernel(out[:nd], q[:nd], k_cache, v_cache, self.meta.block_table[:nd],
+                               self.meta.seq_lens[:nd], scale)
         num_groups = q.shape[1] // num_kv_heads  # query heads per KV head
         for group in self.decodes:
             # A KV head's query heads as its query rows: [g, Hkv, H/Hkv, hd] (query head h
@@ -186,11 +199,15 @@ class TorchBackend:
     supports_cuda_graphs = False
 
     def __init__(self, dtype: torch.dtype, num_kv_heads: int, head_dim: int,
-                 group_waste_bytes: int = 512 * 1024) -> None:
+                 group_waste_bytes: int = 512 * 1024,
+                 decode_kernel: DecodeKernel | None = None) -> None:
         self.dtype = dtype
+        self.decode_kernel = decode_kernel
+        if decode_kernel is not None:
+            self.name = "cpu"
         # Padding of a decode group, in keys: K and V rows of every KV head.
         key_bytes = 2 * num_kv_heads * head_dim * dtype.itemsize
         self.max_group_padding = group_waste_bytes // key_bytes
 
     def prepare(self, meta: StepMetadata) -> TorchAttentionStep:
-        return TorchAttentionStep(meta, self.dtype, self.max_group_padding)
+        return TorchAttentionStep(meta, self.dtype, self.max_group_padding, self.decode_kernel)
