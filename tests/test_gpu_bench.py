@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from workers.kernels.cpu_ops import cpu_ops
+
 ROOT = Path(__file__).resolve().parent.parent
 BLOCKED = ("ray", "pydantic", "pydantic_settings", "pydantic_core")
 
@@ -83,8 +85,10 @@ def test_the_dry_run_runs_every_phase_and_records_how_it_ran(quick_report):
     assert report["errors"] == []
     versions = report["versions"]
     assert versions["torch"] and versions["transformers"] and "triton" in versions
-    execution = report["execution"]  # CPU: the torch path, eager, no start-up work
-    assert execution == {"attention_backend": "torch", "fused_layers": False,
+    # CPU: the C++ decode kernel where it builds (else the torch path), eager, no start-up work.
+    execution = report["execution"]
+    backend = "cpu" if cpu_ops() is not None else "torch"
+    assert execution == {"attention_backend": backend, "fused_layers": False,
                          "cuda_graphs": False, "graph_buckets": [], "startup_s": 0.0}
     assert report["reference"]["generate_compiled"] is False
     assert report["decode"]["transformers_generate_ms"]["compiled"] is False

@@ -58,11 +58,14 @@ def test_chat_logprobs_match_transformers(client: OpenAI, reference) -> None:
         top = rows[i].topk(3)
         assert [t.logprob for t in item.top_logprobs] == pytest.approx(top.values.tolist(),
                                                                       abs=TOL)
-    # Streamed: the same seed gives the same tokens and the same log-probabilities.
+    # Streamed: the same seed gives the same tokens and the same log-probabilities, to fp32's
+    # last bits: the repeat may hit the prefix cache (or the other worker's), so its prompt
+    # runs in GEMMs of another shape, summed in another order.
     chunks = list(client.chat.completions.create(stream=True, **kwargs))
     streamed = [item for c in chunks if c.choices and c.choices[0].logprobs
                 for item in c.choices[0].logprobs.content]
-    assert [(s.token, s.logprob) for s in streamed] == [(c.token, c.logprob) for c in content]
+    assert [s.token for s in streamed] == [c.token for c in content]
+    assert [s.logprob for s in streamed] == pytest.approx([c.logprob for c in content], abs=1e-5)
 
 
 def test_chat_without_logprobs_has_none(client: OpenAI) -> None:
