@@ -106,7 +106,9 @@ class ControllerCore(Routing, Stepping):
                                 KVCacheManager(BlockPool(pool.num_blocks, pool.block_size,
                                                          pool.enable_prefix_caching)),
                                 clock=self.clock, arrivals=self._arrivals, step_cost=step_cost,
-                                itl_slo_s=options.itl_slo_s),
+                                itl_slo_s=options.itl_slo_s,
+                                depth_stretch=options.depth_stretch,
+                                chunk_efficiency=options.chunk_efficiency),
             FlowControl(options.flow, scheduler_config.max_concurrent_chunks),
             Protections(protection_config, chunk_cost), step_cost=step_cost,
             refit=None if step_cost is None else OnlineRefit(protection_config, options.slo))

@@ -15,7 +15,8 @@ step's prefill budget, so a prompt that fits in one chunk is admitted in the nex
 with one chunk a step (throttled or degraded), short prompts and long chunks take turns.
 With a step cost model and an ITL SLO, each chunk is the largest (on the block/tile grid)
 whose step, the decodes riding along included, is predicted under the SLO at the request's
-current depth: deeper chunks get smaller, shallow ones use the whole SLO.
+current depth: deeper chunks get smaller (with the derived SLO, never below the smallest
+efficient at their depth: `slo.max_depth_stretch`), shallow ones use the whole SLO.
 A running request that cannot get a block preempts by recompute the lowest-priority,
 latest-arrived running request (possibly itself), which returns to the waiting queue
 ahead of every later arrival of its priority. Waiting requests never preempt.
@@ -29,6 +30,7 @@ from collections.abc import Callable, Iterator
 
 from controller.budget import StepCost
 from controller.choices import waits_for_shared_prompt
+from controller.chunk_size import DepthStretch, StepSpan
 from controller.messages import CachedRequestData, CacheEvict, NewRequestData, StepPlan
 from controller.request import Request, RequestOutput, RequestStatus
 from controller.scheduler_config import SchedulerConfig, SchedulerStats, StepLimits, StepShape
@@ -44,11 +46,14 @@ class Scheduler(SchedulerResults):
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
                  clock: Callable[[], float] | None = None,
                  arrivals: Iterator[int] | None = None,
-                 step_cost: StepCost | None = None, itl_slo_s: float | None = None):
+                 step_cost: StepCost | None = None, itl_slo_s: float | None = None,
+                 depth_stretch: float = 1.0, chunk_efficiency: float = 1.0):
         self.config = config
         # Both set: chunks are sized by predicted step time (the core swaps in a refit).
         self.step_cost = step_cost
         self.itl_slo_s = itl_slo_s
+        self.depth_stretch = depth_stretch  # controller/chunk_size.py
+        self._depth_stretch = DepthStretch(chunk_efficiency)
         # >= 1: chunks are planned to itl_slo_s / slo_headroom (set from measured steps)
         self.slo_headroom = 1.0
         self.chunk_unit = math.lcm(kv.block_size, getattr(step_cost, "tile", 1))
@@ -364,28 +369,23 @@ class Scheduler(SchedulerResults):
         `most`) at `context` whose step, with what the step already carries and `reserved`
         tokens kept for short prompts, is predicted under the ITL SLO divided by the
         measured headroom; None without a cost model. Nothing fits: one unit for the step's
-        first chunk (progress beats the SLO), else 0."""
+        first chunk (progress beats the SLO), else 0. Deep, with a stretch: at least the
+        smallest chunk efficient there, within the stretched SLO (controller/chunk_size.py)."""
         cost, slo = self.step_cost, self.itl_slo_s
         if cost is None or slo is None or most <= 0:
             return None
-        slo /= self.slo_headroom
         shape = self.last_shape
-        chunks = [*shape.chunks.values(), *([(reserved, 0)] if reserved else [])]
-
-        def fits(tokens: int) -> bool:
-            return cost.step_s([*chunks, (tokens, context)], shape.num_decodes,
-                               shape.decode_context) <= slo
-
-        if fits(most):
+        step = StepSpan(cost, [*shape.chunks.values(), *([(reserved, 0)] if reserved else [])],
+                        shape.num_decodes, shape.decode_context, context, self.chunk_unit)
+        if step.seconds(most) <= (slo := slo / self.slo_headroom):
             return most
-        unit = self.chunk_unit
-        lo, hi = 0, most // unit + 1  # invariant: lo units fit (0 trivially), hi do not
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if mid * unit <= most and fits(mid * unit) else (lo, mid)
-        if lo == 0 and not shape.chunks:
-            return unit
-        return lo * unit
+        tokens = step.largest_under(most, slo)
+        if self.depth_stretch > 1 and context > 0:
+            tokens = max(tokens, self._depth_stretch.efficient(
+                step, most, slo * self.depth_stretch, self.config.max_num_batched_tokens))
+        if tokens == 0 and not shape.chunks:
+            return self.chunk_unit
+        return tokens
 
     def _allocate_or_preempt(self, request: Request, num_new: int,
                              scheduled: dict[str, int]) -> bool:

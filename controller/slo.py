@@ -25,7 +25,8 @@ class SloConfig:
         "the planned decodes prefills at calibration.chunk_efficiency of the best prefill "
         "rate, and at least twice the planned pure-decode step (controller/budget.py "
         "derived_slo_ms), so prefill keeps near full speed while no decode gap exceeds a "
-        "few decode steps. Was calibration.itl_slo_ms."))
+        "few decode steps; deep in a long prompt a step may run past the derived one, up "
+        "to max_depth_stretch times it. Was calibration.itl_slo_ms."))
     ttft_s: float = setting(2.0, gt=0, description=(
         "Time-to-first-token SLO, exported as tokenflow_ttft_slo_seconds: the dashboard's "
         "threshold line (the ITL line is itl_ms, or the derived one). Was "
@@ -46,6 +47,16 @@ class SloConfig:
     max_headroom: float = setting(1.3, ge=1, description=(
         "Most headroom the plan keeps (a model that is off by more gets refitted instead). "
         "Was protections.max_slo_headroom."))
+
+    max_depth_stretch: float = setting(2.0, ge=1, description=(
+        "With the derived ITL SLO (itl_ms None): how far past it a step may run so that a "
+        "chunk deep into a long prompt still prefills at calibration.chunk_efficiency of "
+        "the best rate at its depth. There each token costs more (attention over the "
+        "context) while the step's fixed costs (weights, the decodes riding along) stay, "
+        "so the SLO alone shrinks chunks into overhead: a 6,000-token prompt beside 8 "
+        "decodes took 80-token chunks at 5,000 tokens, 40 % of each step fixed cost. At "
+        "depth 0 the stretch changes nothing (the derived SLO is that efficient step). 1: "
+        "no stretch. A configured itl_ms is never stretched."))
 
     def __post_init__(self) -> None:
         check_settings(self)

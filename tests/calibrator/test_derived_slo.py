@@ -138,3 +138,43 @@ def test_served_scene_short_prompt_is_not_held_behind_the_long_one() -> None:
     long_s = sum(scene.step_times[long_start:scene.first_token_step["long"] + 1])
     assert 6000 / long_s >= 0.75 * best, (6000 / long_s, best)
     assert dataclasses.replace(sched_cfg) == sched_cfg
+
+
+def test_the_derived_slo_stretches_at_depth_and_a_configured_one_does_not() -> None:
+    cfg = TokenflowConfig()
+    table = derived(cpu_like())
+    options = cfg.controller_options().with_budget_table(table, cfg.calibration)
+    assert options.depth_stretch == cfg.slo.max_depth_stretch > 1
+    assert options.chunk_efficiency == cfg.calibration.chunk_efficiency
+    configured = TokenflowConfig(slo={"itl_ms": 80.0})  # type: ignore[arg-type]
+    options = configured.controller_options().with_budget_table(table, configured.calibration)
+    assert options.depth_stretch == 1.0
+
+
+def test_served_scene_with_the_depth_stretch() -> None:
+    """The scene above with the derived SLO's depth stretch: the short prompt still comes
+    within 2 steps, users decode every step, no step runs past stretch x SLO, and the long
+    prompt prefills at least as fast as without the stretch."""
+    cfg = TokenflowConfig()
+    table = derived(cpu_like())
+    cost = table.step_cost()
+    sched_cfg = budgeted_scheduler(cfg.scheduler, table, cfg.calibration, cfg.slo, cfg.cache)
+    slo_s, stretch = table.derived_slo_ms() / 1e3, cfg.slo.max_depth_stretch
+    long_s = {}
+    for depth_stretch in (1.0, stretch):
+        scene = Scene(budget=sched_cfg.max_num_batched_tokens, num_blocks=4096, model=cost,
+                      cost=cost, depth_stretch=depth_stretch)
+        scene.sched.itl_slo_s = slo_s
+        scene.users_decoding()
+        scene.add("long", 6000, max_tokens=4)
+        scene.step()
+        arrival = len(scene.plans)
+        scene.add("short", 32, max_tokens=4)
+        while "long" not in scene.first_token_step:
+            plan = scene.step()
+            assert sum(r.startswith("user-") for r in plan.num_scheduled_tokens) == NUM_USERS
+        assert scene.first_token_step["short"] - arrival <= 2
+        assert max(scene.step_times[arrival - 1:]) <= depth_stretch * slo_s * (1 + 1e-9)
+        long_s[depth_stretch] = sum(
+            scene.step_times[arrival - 1:scene.first_token_step["long"] + 1])
+    assert long_s[stretch] <= long_s[1.0]

@@ -20,6 +20,7 @@ NUM_USERS = 8
 # A quadratic attention term (c): a chunk at depth 6000 costs far more than one at depth 0.
 TRUE_COST = StepCost(LinearFit(5e-3, 2e-5, 6e-9), LinearFit(4e-3, 1e-4, 5e-9), tile=16)
 SLO_S = 0.05
+CHUNK_EFFICIENCY = 0.9
 
 
 class Scene:
@@ -30,14 +31,15 @@ class Scene:
     def __init__(self, budget: int = 256, num_blocks: int = 4096,
                  model: StepCost | None = None, cost: StepCost | None = None,
                  protections: ProtectionConfig | None = None, slo: SloConfig | None = None,
-                 **scheduler: object) -> None:
+                 depth_stretch: float = 1.0, **scheduler: object) -> None:
         self.now = 0.0
         self.core = ControllerCore(
             [PoolSpec(num_blocks, BLOCK, False)], ControllerOptions(
                 scheduler=SchedulerConfig(max_num_batched_tokens=budget,
                                           **scheduler),  # type: ignore[arg-type]
                 protections=protections or ProtectionConfig(), slo=slo or SloConfig(),
-                step_cost=model, itl_slo_s=SLO_S if model is not None else None),
+                step_cost=model, itl_slo_s=SLO_S if model is not None else None,
+                depth_stretch=depth_stretch, chunk_efficiency=CHUNK_EFFICIENCY),
             clock=lambda: self.now)
         self.sched = self.core.scheduler(0)
         self.runner = FakeRunner(self.sched)
@@ -158,6 +160,47 @@ def test_chunks_shrink_with_depth_and_every_step_stays_under_the_slo():
     prot = s.core.workers[0].protections.stats
     assert prot.num_deviations == 0  # each chunk charged its share: the model holds
     assert abs(prot.last_budget_score - 1.0) < 1e-6
+
+
+# CPU-like: a step's fixed cost is a fifth of the SLO, attention dominates deep in a prompt.
+DEEP_COST = StepCost(LinearFit(10e-3, 4e-5, 4e-8), LinearFit(4e-3, 1e-4, 5e-9), tile=16)
+
+
+def _long_prefill(depth_stretch: float) -> tuple[Scene, list[tuple[int, int]], float]:
+    """8 users decoding, an 8,000-token prompt: its (context, chunk) per step and the model
+    time to its first token."""
+    s = Scene(budget=8192, model=DEEP_COST, cost=DEEP_COST, depth_stretch=depth_stretch)
+    s.users_decoding()
+    start = len(s.plans)
+    s.add("long", 8000, max_tokens=2)
+    context, chunks = 0, []
+    while "long" not in s.first_token_step:
+        plan = s.step()
+        if "long" in plan.num_scheduled_tokens:
+            chunks.append((context, plan.num_scheduled_tokens["long"]))
+            context += plan.num_scheduled_tokens["long"]
+    return s, chunks, sum(s.step_times[start:])
+
+
+def test_a_deep_chunk_stretches_its_step_to_stay_efficient_within_the_bound():
+    """With a depth stretch (the derived SLO's), deep chunks stay efficient at their depth
+    instead of shrinking into the step's fixed cost: fewer, larger chunks, the prompt's first
+    token sooner, no step past stretch x SLO, and the first (depth 0) chunk unchanged."""
+    _, plain_chunks, plain_s = _long_prefill(1.0)
+    s, chunks, stretched_s = _long_prefill(2.0)
+    assert chunks[0] == plain_chunks[0]  # depth 0: the SLO's chunk
+    assert max(s.step_times) <= 2.0 * SLO_S + 1e-9
+    assert max(s.step_times) > SLO_S  # the stretch was used
+    assert len(chunks) < 0.8 * len(plain_chunks)
+    assert stretched_s < 0.97 * plain_s  # the fixed costs of the steps it saved
+    cost = DEEP_COST
+    shape = s.sched.last_shape
+    for context, tokens in chunks[1:-1]:
+        # Each deep chunk: efficient at its depth, or as large as the stretched SLO allows.
+        best = max(t / cost.chunk_s(t, context) for t in range(BLOCK, 8192 + 1, BLOCK))
+        step_s = cost.step_s([(tokens, context)], NUM_USERS, shape.decode_context)
+        bigger = cost.step_s([(tokens + BLOCK, context)], NUM_USERS, shape.decode_context)
+        assert tokens / step_s >= 0.85 * CHUNK_EFFICIENCY * best or bigger > 2.0 * SLO_S
 
 
 def test_worker_twice_as_slow_is_refitted_within_the_window_and_steps_return_under_slo():
