@@ -4,7 +4,7 @@ builds them ahead, so a first start does not wait on the compiler).
 
 Built with `-march=native` against the installed torch, so a build only runs on the CPU and
 torch it was built for: the cache folder is keyed by the CPU's model and flags and torch's
-version. Not under `$TOKENFLOW_CACHE_DIR` (the presets' root): a build is the installed
+version and folder. Not under `$TOKENFLOW_CACHE_DIR` (the presets' root): a build is the installed
 code's, not a model's, and a per-run preset folder (the test suite's) must not recompile it.
 Where they cannot be built (no compiler, no ninja), `cpu_ops()` is None and the worker keeps
 the torch path; that is logged once.
@@ -14,6 +14,7 @@ the torch path; that is logged once.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
@@ -27,8 +28,8 @@ SOURCES = (Path(__file__).parent / "csrc" / "cpu_attention.cpp",)
 
 
 def cpu_tag() -> str:
-    """A key of this CPU and torch: the CPU's model name and feature flags and torch's version
-    (a `-march=native` build linked against libtorch is only valid where all three match)."""
+    """A key of this CPU and torch: the CPU's model name and feature flags, torch's version and
+    folder (a `-march=native` build linked against one libtorch is valid only there)."""
     import torch
 
     try:
@@ -36,7 +37,8 @@ def cpu_tag() -> str:
     except OSError:
         text = ""
     lines = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
-    lines.append(f"torch {torch.__version__}")
+    # The torch: its version and where it is (each venv's build names its own headers).
+    lines.append(f"torch {torch.__version__} {Path(torch.__file__).parent}")
     return hashlib.sha256("\n".join(sorted(set(lines))).encode()).hexdigest()[:12]
 
 
@@ -51,13 +53,32 @@ def cpu_ops() -> ModuleType | None:
         tag = cpu_tag()
         build_dir = Path.home() / ".cache" / "tokenflow" / "cpu_ops" / tag
         build_dir.mkdir(parents=True, exist_ok=True)
-        return load(name=f"tokenflow_cpu_ops_{tag}", sources=[str(s) for s in SOURCES],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                    extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
-                    verbose=False)
+        # One builder at a time, by a lock the kernel drops when its holder dies. torch's own
+        # lock is a file that a killed builder leaves behind (a worker killed mid-build),
+        # and every later start then waits on it forever: under ours, it is stale.
+        with open(build_dir / "build.flock", "w") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)
+            (build_dir / "lock").unlink(missing_ok=True)
+            sources = [_stable_copy(source, build_dir) for source in SOURCES]
+            return load(name=f"tokenflow_cpu_ops_{tag}", sources=[str(s) for s in sources],
+                        extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                        extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
+                        verbose=False)
     except Exception as err:  # any build failure means: the torch path
         log.warning("CPU kernels unavailable, decode attention stays on SDPA: %s", err)
         return None
+
+
+def _stable_copy(source: Path, build_dir: Path) -> Path:
+    """`source` copied into the build folder, rewritten only when its text changed. The
+    build file names its sources' paths, and a path that moves (a Ray job runs the code from
+    a per-job copy of the working directory) made every job recompile (tens of seconds of
+    compiler, orphaned when the job's head stopped, on the cores of whatever ran next)."""
+    text = source.read_bytes()
+    copy = build_dir / source.name
+    if not copy.exists() or copy.read_bytes() != text:  # (under the build lock)
+        copy.write_bytes(text)
+    return copy
 
 
 if __name__ == "__main__":
