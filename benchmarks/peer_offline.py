@@ -45,12 +45,17 @@ def emit(**fields: Any) -> None:
 
 class TokenflowRunner:
     def __init__(self, model: str, dtype: str) -> None:
+        from cluster.batch import offline_config
+        from cluster.config import TokenflowConfig
         from cluster.engine import LocalEngine
         from controller.messages import SamplingParams
         from workers.presets import resolve_model
 
         self.folder = str(resolve_model(model))
-        self.engine = LocalEngine(worker={"model": model, "dtype": dtype})
+        # tokenflow's offline configuration, what `python -m cluster.batch --local` runs: the
+        # batch profile's step budget, not one planned for an ITL SLO no one waits on here.
+        config = offline_config(TokenflowConfig(worker={"model": model, "dtype": dtype}))
+        self.engine = LocalEngine(config)
         self.params = SamplingParams(max_tokens=OUTPUT_LEN, temperature=0.0, ignore_eos=True)
         self.vocab_size = self.engine.worker.vocab_size
         sched = self.engine.scheduler
