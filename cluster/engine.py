@@ -58,7 +58,7 @@ class LocalEngine:
         # scheduler.async_scheduling: the next step is planned and launched while the
         # worker runs the current one (controller/step_loop.py); else one step at a time.
         self.loop = StepLoop(self.core, 0, self.worker.launch, self._wait,
-                             is_ahead=options.scheduler.async_scheduling)
+                             is_ahead=options.scheduler.is_async(is_actor=False))
         self._pending: dict[str, deque[RequestOutput]] = defaultdict(deque)
         self.step_log: list[tuple[StepPlan, StepResult]] = []  # kept only when asked
         self.keep_step_log = False

@@ -114,7 +114,7 @@ class WorkerSlot:
         # The worker actor runs calls one at a time, in order: a step sent ahead (async
         # scheduling) runs after the one before it.
         self.loop = StepLoop(core, index, self._send,
-                             is_ahead=core.scheduler(index).config.async_scheduling)
+                             is_ahead=core.scheduler(index).config.is_async(is_actor=True))
         self._last_received = float("-inf")
 
     def start(self) -> None:

@@ -83,7 +83,7 @@ def workload() -> list[tuple[str, list[int], SamplingParams]]:
     return out
 
 
-def run_all(is_async: bool) -> tuple[dict[str, tuple[list[int], FinishReason | None]],
+def run_all(is_async: bool | None) -> tuple[dict[str, tuple[list[int], FinishReason | None]],
                                      OrderedWorkerHandle, dict[str, Any]]:
     handle = OrderedWorkerHandle()
     options = ControllerOptions(
@@ -125,3 +125,16 @@ def test_async_scheduling_overlaps_steps_and_changes_no_token() -> None:
                 break
         assert overlapped[rid][0] == expected[len(prompt):], rid
     assert stats["num_unfinished"] == 0
+
+
+def test_by_default_a_worker_actor_is_planned_ahead_and_an_in_process_worker_is_not() -> None:
+    # The actor's round trip is what planning ahead hides; in process there is none, and on
+    # a CPU the planning would take the model's cores (SchedulerConfig.is_async).
+    default = SchedulerConfig()
+    assert default.async_scheduling is None
+    assert default.is_async(is_actor=True) and not default.is_async(is_actor=False)
+    assert not SchedulerConfig(async_scheduling=False).is_async(is_actor=True)
+    assert SchedulerConfig(async_scheduling=True).is_async(is_actor=False)
+    got, handle, _ = run_all(None)
+    assert handle.max_outstanding == 2  # the Ray step loop sent a step ahead
+    assert got == run_all(False)[0]

@@ -404,7 +404,9 @@ def test_restarted_worker_never_serves_a_prefix_cached_before_it_died() -> None:
         # the request is re-queued and recomputed once the new process answers.
         _, during = await collect(client, prompt, "during")
         assert during.finish_reason == FinishReason.LENGTH and during.error is None
-        assert handles[0].num_refused == 1
+        # With async scheduling (the actor path's default) the step planned ahead was
+        # for the old process too: refused as well.
+        assert handles[0].num_refused in (1, 2)
         assert handles[0].seen_computed[-1] == 0  # computed anew, not read from dead KV
         _, after = await collect(client, prompt, "after")
         assert after.finish_reason == FinishReason.LENGTH
@@ -466,9 +468,9 @@ def raise_once_after(fn: Callable[..., Any], request_ids: Callable[..., Any], vi
     (what `request_ids(*args)` lists): its effects stand, its return value is lost."""
     num_seen = 0
 
-    def wrapper(*args: Any) -> Any:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
         nonlocal num_seen
-        value = fn(*args)
+        value = fn(*args, **kwargs)
         if victim in request_ids(*args):
             num_seen += 1
             if num_seen == nth:

@@ -97,7 +97,11 @@ def make_handle(redis_url: str | None, key_prefix: str) -> tuple[RestartableHand
                for _ in range(2)]
     options = ControllerOptions(
         worker=WorkerConfig(num_workers=2),
-        scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8),
+        # One step at a time: the checkpoints hold the workers after a counted number of
+        # tokens, which a step planned ahead would run past (async scheduling's restarts
+        # are tests/integration/test_controller_restart.py's, on a real cluster).
+        scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8,
+                                  async_scheduling=False),
         recovery=RecoveryConfig(step_deadline_min_s=5.0, restart_backoff_s=0.001),
         cluster=ClusterConfig(redis_url=redis_url),
         journal=JournalConfig(key_prefix=key_prefix))
