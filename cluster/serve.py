@@ -2,9 +2,11 @@
 
 Starts a local Ray on 127.0.0.1, the controller (which starts one worker per GPU, or
 `TOKENFLOW_WORKER__NUM_WORKERS` CPU workers), and the Serve ingress on 127.0.0.1:PORT; prints the
-URL and serves until Ctrl-C. The controller is created here, before the Serve app, so this
-process owns it (it lives exactly as long as the server) and a broken model fails at once
-instead of on the first request. It then watches the service: restarts of workers and of
+URL and serves until Ctrl-C. The ingress replica owns PORT itself (Serve's direct ingress,
+`cluster.direct_ingress`): streamed tokens skip the hop through Serve's proxy. The
+controller is created here, before the Serve app, so this process owns it (it lives
+exactly as long as the server) and a broken model fails at once instead of on the first
+request. It then watches the service: restarts of workers and of
 the controller are pauses, but when the service has not been healthy for
 `cluster.give_up_after_s` (or the controller is gone for good) it exits non-zero, so that a
 supervisor (systemd, Kubernetes) restarts it. SIGTERM and Ctrl-C shut Serve and Ray down
@@ -33,6 +35,7 @@ import logging
 import math
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -107,6 +110,39 @@ def export_api_keys(keys: list[str]) -> int:
     if joined:
         os.environ[API_KEYS_ENV] = joined
     return num_keys
+
+
+def wants_direct_ingress(config: TokenflowConfig, joins_cluster: bool) -> bool:
+    """Whether the ingress replica serves cluster.port itself (`cluster.direct_ingress`;
+    None: where this process starts Ray and one replica can own the port)."""
+    cluster = config.cluster
+    if cluster.direct_ingress is None:
+        return not joins_cluster and cluster.ingress_num_replicas == 1
+    return cluster.direct_ingress
+
+
+def enable_direct_ingress(host: str, port: int) -> int:
+    """Set up Serve's direct ingress before Ray starts (its processes inherit this
+    environment): the replica's HTTP server gets exactly `port`, and neither drains for
+    30 s nor leaves the port unused for 150 s after a crash, waits Serve keeps for a load
+    balancer (none is in front). Returns a free port for
+    Serve's proxy, which still starts on the head node. Raises OSError when `port` is
+    taken: the replica would fail to bind it over and over."""
+    with socket.socket() as probe:
+        probe.bind((host, port))
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        proxy_port = int(probe.getsockname()[1])
+    os.environ.update({
+        "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
+        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1),  # exclusive
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
+        # A replica restarted after a crash must rebind the port at once, not after the
+        # quarantine Serve keeps for a load balancer's stale routes.
+        "RAY_SERVE_PORT_QUARANTINE_S": "0",
+    })
+    return proxy_port
 
 
 def ray_num_cpus(config: TokenflowConfig) -> int:
@@ -217,6 +253,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"WARNING: serving on {config.cluster.host} without API keys: anyone who can "
               f"reach this port can use the model; set --api-key or {API_KEYS_ENV}",
               file=sys.stderr, flush=True)
+    proxy_port = config.cluster.port
+    if wants_direct_ingress(config, bool(args.ray_address)):
+        if args.ray_address:
+            print("tokenflow: cluster.direct_ingress needs the local Ray this command starts "
+                  "(the processes of a running cluster do not see its settings)",
+                  file=sys.stderr)
+            return 2
+        try:
+            proxy_port = enable_direct_ingress(config.cluster.host, config.cluster.port)
+        except OSError as err:
+            print(f"tokenflow: cannot serve on {config.cluster.host}:{config.cluster.port}: "
+                  f"{err}", file=sys.stderr)
+            return 2
     if args.ray_address:  # a shared cluster: its resources and addresses are its own
         ray.init(address=args.ray_address, namespace=config.cluster.namespace)
     else:
@@ -247,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
         # Serve's proxy and the ingress start while the workers load: the two are the
         # longest parts of a start and independent (until the controller answers, the
         # ingress says 503 with Retry-After and /health says why).
-        serve.start(http_options={"host": config.cluster.host, "port": config.cluster.port})
+        # With direct ingress the replica serves cluster.port and the proxy a spare port.
+        serve.start(http_options={"host": config.cluster.host, "port": proxy_port})
         # serve.run finds the Serve instance started just above and says so at INFO, which
         # on a fresh start reads as if another server were running.
         logging.getLogger("ray.serve").addFilter(_DropMessage("Connecting to existing Serve"))

@@ -2,7 +2,8 @@
 process tree (the driver, Serve, Ray's GCS, raylet, agents and workers) is on 127.0.0.1 or
 ::1, apart from the ones Ray cannot move (`ray_cannot_move`, with the reason). The same
 server takes its API key from `--api-key`, through the environment of Ray's processes, and
-SIGTERM stops it cleanly with exit status 0.
+SIGTERM stops it cleanly with exit status 0. The port is the ingress replica's own (Serve's
+direct ingress), and a killed replica comes back on it.
 
 Read from /proc (Linux): the session's processes, their socket inodes, /proc/net/{tcp,udp}.
 """
@@ -15,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,6 +110,25 @@ def is_loopback(ip: str) -> bool:
     return (mapped or address).is_loopback
 
 
+def ingress_listener(found: list[Listener], port: int) -> Listener:
+    owners = [s for s in found if s.port == port and s.proto.startswith("tcp")]
+    assert owners and all("ServeReplica:tokenflow" in s.cmdline for s in owners), owners
+    return owners[0]
+
+
+def wait_healthy(port: int, timeout_s: float) -> bool:
+    """Poll /health until it answers 200 (connection refused while the replica restarts)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                return True
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)  # a poll interval: the restart has no event to wait on
+    return False
+
+
 @pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads Linux /proc")
 def test_make_serve_listens_on_loopback_only_and_stops_cleanly_on_sigterm() -> None:
     port = free_port()
@@ -140,6 +161,13 @@ def test_make_serve_listens_on_loopback_only_and_stops_cleanly_on_sigterm() -> N
                    if not is_loopback(s.ip) and not ray_cannot_move(s, port)]
         assert exposed == [], "\n".join(f"{s.proto} {s.ip}:{s.port} pid {s.pid} {s.cmdline[:120]}"
                                         for s in exposed)
+        # Direct ingress (cluster.direct_ingress): the ingress replica owns the port, no
+        # proxy in between; killed, Serve restarts it on the same port at once.
+        replica = ingress_listener(found, port)
+        os.kill(replica.pid, signal.SIGKILL)
+        assert wait_healthy(port, timeout_s=120), "the ingress did not come back"
+        again = ingress_listener(listeners(os.getsid(proc.pid)), port)
+        assert again.pid != replica.pid
         # SIGTERM (docker stop, systemd) shuts Serve and Ray down cleanly: exit status 0
         # (Ray's own handler, if installed last, would abort the process: -6).
         proc.send_signal(signal.SIGTERM)
