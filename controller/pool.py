@@ -224,10 +224,7 @@ class ElasticPool:
         assert core is not None
         num_unfinished = len(core.scheduler(worker).requests)
         is_finished = await self._wait_empty(slot, timeout_s)
-        if slot.task is not None:
-            slot.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await slot.task
+        await slot.stop()
         slot.loop.forget_in_flight()
         outbox = core.take_outbox(worker)
         num_left = len(core.scheduler(worker).requests)

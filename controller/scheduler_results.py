@@ -10,6 +10,7 @@ from controller.logprobs import PromptLogprobs
 from controller.messages import RequestOutput, StepPlan, StepResult
 from controller.request import Request, RequestStatus
 from controller.scheduler_config import SchedulerStats, StepShape
+from controller.step_cost import StepCost
 from kvcache.manager import KVCacheManager
 
 
@@ -21,6 +22,7 @@ class SchedulerResults:
     stats: SchedulerStats
     kv: KVCacheManager
     _release: Callable[[Request], None]
+    step_cost: StepCost | None
 
     def step_context_len(self, step_id: int) -> int:
         """The longest context a planned step reads (its deadline's size): from the step's
@@ -30,6 +32,14 @@ class SchedulerResults:
             return max((r.num_tokens for r in self.running), default=0)
         return max([shape.decode_context + 1,
                     *(depth + num for num, depth in shape.chunks.values())])
+
+    def predicted_step_s(self, step_id: int) -> float | None:
+        """The cost model's time of a planned step (None without a model or a shape)."""
+        shape = self._shapes.get(step_id)
+        if self.step_cost is None or shape is None:
+            return None
+        return self.step_cost.step_s(list(shape.chunks.values()), shape.num_decodes,
+                                     shape.decode_context)
 
     def pop_shape(self, step_id: int) -> StepShape | None:
         """The shape of a step whose result is in (None for a baseline policy's step)."""

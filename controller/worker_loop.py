@@ -42,6 +42,7 @@ from controller.transport import ActorCallTransport, WorkerTransport, make_trans
 logger = logging.getLogger(__name__)
 # Step records kept for stats and the overhead benchmark; older ones are dropped.
 _MAX_RECORDS = 4096
+_RATIO_WEIGHT = 0.2  # of the newest step in the measured / predicted step time
 T = TypeVar("T")
 
 
@@ -98,6 +99,7 @@ class WorkerSlot:
         self.parked = asyncio.Event()
         self.stepped = asyncio.Event()  # set after every step: a drain waits on it
         self.task: asyncio.Task[None] | None = None
+        self.is_stopped = False  # set by `stop`: the loop ends at its next turn
         self.num_routed = 0
         self.num_steps = 0
         self.num_failures = 0
@@ -116,11 +118,26 @@ class WorkerSlot:
         self.loop = StepLoop(core, index, self._send,
                              is_ahead=core.scheduler(index).config.is_async(is_actor=True))
         self._last_received = float("-inf")
+        # Measured / predicted step time (wall, as the controller sees it), smoothed.
+        self._step_time_ratio = 1.0
 
     def start(self) -> None:
         # A fresh context, so no Ray call's cancellation can reach the loop (see actor.py).
         self.task = asyncio.get_running_loop().create_task(
             self._run(), name=f"step-{self.index}", context=contextvars.Context())
+
+    async def stop(self) -> None:
+        """End the step loop for good (a drained worker) and return once it has ended.
+        A cancel alone is not enough: one that lands as an awaited call completes may be
+        lost (Python 3.11's `asyncio.wait_for` returns the result instead), and the loop
+        would then park for ever; so the loop also ends on `is_stopped`, woken here."""
+        self.is_stopped = True
+        if self.task is None:
+            return
+        self.task.cancel()
+        self.notify()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self.task
 
     def notify(self) -> None:
         self.parked.clear()
@@ -134,7 +151,7 @@ class WorkerSlot:
     # -- the loop ---------------------------------------------------------------------------
     async def _run(self) -> None:
         force = False
-        while True:
+        while not self.is_stopped:
             # Cleared before looking at the state: a notify during the step below re-arms it.
             self.wake.clear()
             try:
@@ -153,7 +170,8 @@ class WorkerSlot:
                     # PREFILL_PAUSED is left on telemetry alone, and telemetry comes with
                     # steps: with only prefill waiting, sample on an empty step now and then.
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self.wake.wait(), self.telemetry_poll_s)
+                        async with asyncio.timeout(self.telemetry_poll_s):
+                            await self.wake.wait()
                     force = not self.wake.is_set()
                     continue
                 await self.wake.wait()
@@ -171,14 +189,26 @@ class WorkerSlot:
             if launched is None:
                 return False  # nothing can advance until a notify (flow control holds)
             sent = time.perf_counter()
-            self.loop.plan_ahead()
             deadline = self._deadline_s(launched.plan)
+            pending = launched.pending
+            # It runs from when it was sent, or, sent ahead, from the end of the one before.
+            started = max(launched.planned_at, self._last_received)
+            predicted = self.core.scheduler(self.index).predicted_step_s(launched.plan.step_id)
+            wait_s = self._plan_ahead_wait_s(predicted, started)
+        except Exception as err:
+            await self._planning_failed(err)
+            return True
+        if wait_s > 0:  # a request arriving meanwhile rides in the next step
+            pending = asyncio.ensure_future(pending)
+            await asyncio.wait([pending], timeout=wait_s)
+        try:
+            if not (isinstance(pending, asyncio.Future) and pending.done()):
+                self.loop.plan_ahead()  # else the next step is planned knowing this one
         except Exception as err:
             await self._planning_failed(err)
             return True
         plan, start = launched.plan, launched.planned_at
-        result = await self._call_worker(lambda: launched.pending, deadline,
-                                         f"step {plan.step_id}")
+        result = await self._call_worker(lambda: pending, deadline, f"step {plan.step_id}")
         received = time.perf_counter()
         outputs: list[RequestOutput] | None = None
         is_delivered = False
@@ -201,15 +231,29 @@ class WorkerSlot:
         self.plan_log.append((plan.step_id, dict(plan.num_scheduled_tokens)))
         self.records.append((len(plan.num_scheduled_tokens), plan.total_num_scheduled_tokens,
                              wall, result.elapsed_s, received - max(sent, previous)))
+        if predicted:  # how much longer than the model's, steps really take here
+            self._step_time_ratio += _RATIO_WEIGHT * ((received - started) / predicted
+                                                      - self._step_time_ratio)
         return True
+
+    def _plan_ahead_wait_s(self, predicted: float | None, started: float) -> float:
+        """How long to wait before planning the next step while one predicted to take
+        `predicted` s by the cost model runs (since `started`): until it is
+        `scheduler.plan_ahead_at` done at the pace measured here."""
+        share = self.core.scheduler(self.index).config.plan_ahead_at
+        if not self.loop.is_ahead or not share or not predicted:
+            return 0.0
+        return started + share * predicted * self._step_time_ratio - time.perf_counter()
 
     async def _call_worker(self, call: Callable[[], Awaitable[T]], timeout_s: float,
                            what: str) -> T:
         """Await one call to the worker actor; any failure of it is the worker's, raised as
         WorkerCallError (WorkerHungError past `timeout_s`). `call` makes the call inside
         the guard: Ray may raise when the call is submitted, too."""
+        # asyncio.timeout, not wait_for: wait_for can swallow a cancel (see `stop`).
         try:
-            return await asyncio.wait_for(call(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                return await call()
         except TimeoutError:
             raise WorkerHungError(f"{what} took over {timeout_s:.1f}s") from None
         except Exception as err:  # CancelledError is no Exception: it passes
@@ -298,8 +342,8 @@ class WorkerSlot:
         backoff = Backoff(self.recovery.restart_backoff_s, self.recovery.restart_backoff_max_s)
         while True:
             try:
-                info = await asyncio.wait_for(self.handle.info.remote(),
-                                              self.recovery.ready_timeout_s)
+                async with asyncio.timeout(self.recovery.ready_timeout_s):
+                    info = await self.handle.info.remote()
                 if info.incarnation != dead_incarnation:
                     break
                 self.kill(self.handle)  # still the failed process: restart it

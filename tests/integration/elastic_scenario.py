@@ -35,7 +35,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 ROOT = Path(__file__).resolve().parents[2]
 WORKER_RESOURCE = "tokenflow_worker"
 NAMESPACE = "tokenflow-elastic"
-NUM_TOKENS = 128  # long enough that a drain from a process of its own lands mid-stream
+NUM_TOKENS = 128
 PROMPTS = [[(5 * i + 11 * j + 2) % 500 + 1 for i in range(15 + 3 * j)] for j in range(16)]
 
 
@@ -44,9 +44,13 @@ def _node_args(**resources: float) -> dict[str, Any]:
             "object_store_memory": 80 * 1024 * 1024}
 
 
+def _cli_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "TOKENFLOW_CLUSTER__NAMESPACE": NAMESPACE}
+
+
 async def _cli_run(address: str, *args: str) -> subprocess.CompletedProcess[str]:
     """`tokenflow workers ...` as an operator runs it: a process of its own."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENFLOW_CLUSTER__NAMESPACE": NAMESPACE}
+    env = _cli_env()
     return await asyncio.to_thread(
         subprocess.run, [sys.executable, "-m", "cluster.cli", "workers", "--address", address,
                          *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
@@ -57,6 +61,47 @@ async def _cli(address: str, *args: str) -> Any:
     if proc.returncode != 0:
         raise RuntimeError(f"tokenflow workers {args}: {proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# `tokenflow workers ARGS` (cluster.cli's main) in a process that first joins the cluster and
+# finds the controller, says "ready", and runs the command once it reads a line.
+_READY_CLI = """
+import sys
+from cluster.cli import main
+from cluster.config import TokenflowConfig
+from cluster.workers_cli import connect
+assert connect(sys.argv[1], TokenflowConfig().cluster.namespace) is not None
+print("ready", flush=True)
+sys.stdin.readline()
+sys.exit(main(["workers", "--address", *sys.argv[1:]]))
+"""
+
+
+class ReadyCli:
+    """`tokenflow workers ARGS` from a process of its own, started (Python, Ray and the
+    cluster joined: seconds on 2 cores) before the moment it must land at: `run` then
+    reaches the controller at once, mid-stream and not after the streams ended."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+
+    @classmethod
+    async def start(cls, address: str, *args: str) -> ReadyCli:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", _READY_CLI, address, *args, cwd=ROOT, env=_cli_env(),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), 120)
+        if line.strip() != b"ready":
+            _, err = await proc.communicate()
+            raise RuntimeError(f"tokenflow workers {args} did not start: {err[-2000:]!r}")
+        return cls(proc)
+
+    async def run(self, timeout_s: float = 180.0) -> Any:
+        out, err = await asyncio.wait_for(self.proc.communicate(b"go\n"), timeout_s)
+        if self.proc.returncode != 0:
+            raise RuntimeError(f"tokenflow workers: {err.decode()[-2000:]}")
+        return json.loads(out.decode().strip().splitlines()[-1])
 
 
 async def _unit_freed(node_id: str, timeout_s: float = 30.0) -> float:
@@ -142,9 +187,10 @@ async def _run(cluster: Any, out: dict[str, Any]) -> None:
 
     # 3. Drained mid-stream: its requests finish, then it is removed and B's unit freed.
     report: dict[str, Any] = {}
+    drain_cli = await ReadyCli.start(cluster.address, "drain", str(new), "--timeout", "120")
 
     async def drain() -> None:
-        report.update(await _cli(cluster.address, "drain", str(new), "--timeout", "120"))
+        report.update(await drain_cli.run())
 
     drained = tokens(await run_streams(client, PROMPTS, params, "drain", kill=drain))
     listing = await _cli(cluster.address, "list", "--json")

@@ -29,6 +29,7 @@ from controller.messages import (
 )
 from controller.options import ControllerOptions, WorkerConfig
 from controller.scheduler import SchedulerConfig
+from controller.step_cost import LinearFit, StepCost
 from tests.unit.fake_runner import FakeRunner
 from tests.unit.test_controller_actor import VOCAB, FakeWorkerHandle, LocalHandle
 
@@ -127,14 +128,77 @@ def test_async_scheduling_overlaps_steps_and_changes_no_token() -> None:
     assert stats["num_unfinished"] == 0
 
 
-def test_by_default_a_worker_actor_is_planned_ahead_and_an_in_process_worker_is_not() -> None:
+def test_unset_a_worker_actor_is_planned_ahead_and_an_in_process_worker_is_not() -> None:
     # The actor's round trip is what planning ahead hides; in process there is none, and on
-    # a CPU the planning would take the model's cores (SchedulerConfig.is_async).
+    # a CPU the planning would take the model's cores (SchedulerConfig.is_async). The
+    # default is off (scheduler_config.py says why).
     default = SchedulerConfig()
-    assert default.async_scheduling is None
-    assert default.is_async(is_actor=True) and not default.is_async(is_actor=False)
+    assert default.async_scheduling is False
+    assert not default.is_async(is_actor=True) and not default.is_async(is_actor=False)
+    unset = SchedulerConfig(async_scheduling=None)
+    assert unset.is_async(is_actor=True) and not unset.is_async(is_actor=False)
     assert not SchedulerConfig(async_scheduling=False).is_async(is_actor=True)
     assert SchedulerConfig(async_scheduling=True).is_async(is_actor=False)
     got, handle, _ = run_all(None)
     assert handle.max_outstanding == 2  # the Ray step loop sent a step ahead
     assert got == run_all(False)[0]
+
+
+class GatedWorkerHandle(OrderedWorkerHandle):
+    """`OrderedWorkerHandle` whose steps, once the first has started, wait for `release`;
+    it records the request ids of every plan, in the order sent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.started = asyncio.Event()
+        self.release = asyncio.Event()
+        self.plan_ids: list[set[str]] = []
+
+    def _execute(self, sent: StepPlan | bytes,  # type: ignore[override]
+                 incarnation: str | None = None, sender: str | None = None,
+                 seq: int | None = None) -> asyncio.Task[StepResult | bytes]:
+        self.plan_ids.append(set(decode_plan(sent).num_scheduled_tokens))
+        inner = super()._execute(sent, incarnation, sender, seq)
+
+        async def gated() -> StepResult | bytes:
+            self.started.set()
+            await self.release.wait()
+            return await inner
+
+        return asyncio.ensure_future(gated())
+
+
+def first_step_of_late_arrival(plan_ahead_at: float, predicted_s: float) -> int:
+    """Request a prefills in step 0, which the worker holds until b has arrived; the index
+    of the first step that carries b."""
+    handle = GatedWorkerHandle()
+    fit = LinearFit(predicted_s, 0.0, 0.0)
+    options = ControllerOptions(
+        worker=WorkerConfig(num_workers=1),
+        scheduler=SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8,
+                                  async_scheduling=True, plan_ahead_at=plan_ahead_at),
+        step_cost=StepCost(fit, fit), itl_slo_s=1e6)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+    async def main() -> int:
+        actor = ControllerActor(options, worker_factory=lambda opts: [handle],
+                                kill_worker=lambda h: None)
+        client = RayControllerClient(LocalHandle(actor))
+        first = asyncio.ensure_future(run_request(client, [1, 2, 3, 4], params, "a"))
+        await handle.started.wait()  # step 0 runs
+        _, deltas = await client.submit([5, 6, 7], params, "b", 0, "default")
+        handle.release.set()
+        tokens = [t for delta in [d async for d in deltas] for t in delta.token_ids]
+        assert len(tokens) == 4 and len((await first)[1].token_ids) == 4
+        return next(i for i, ids in enumerate(handle.plan_ids) if "b" in ids)
+
+    return asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_the_next_step_is_planned_late_so_that_a_new_request_rides_in_it() -> None:
+    # Planned at once (vLLM's way), step 1 was sent before b arrived: b waits for step 2.
+    assert first_step_of_late_arrival(plan_ahead_at=0.0, predicted_s=100.0) == 2
+    assert first_step_of_late_arrival(plan_ahead_at=0.7, predicted_s=1e-9) == 2
+    # Planned once step 0 is 70 % done by its predicted 100 s: it ended first, and step 1
+    # was planned knowing of b.
+    assert first_step_of_late_arrival(plan_ahead_at=0.7, predicted_s=100.0) == 1

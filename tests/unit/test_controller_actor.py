@@ -62,6 +62,9 @@ class FakeWorkerHandle:
         self.num_refused = 0  # plans addressed to an earlier incarnation
         self.num_restarts = 0
         self.hung = False  # the next step never returns (until a kill)
+        # A step cancelled by the caller answers all the same: what a caller sees when the
+        # answer is already on its way as it gives up.
+        self.answers_cancel = False
         self.seen_computed: list[int] = []  # num_computed_tokens of every new request
         self.sender_to_next_seq: dict[str | None, int] = {}  # the step gate's numbering
         self.last_sender: str | None = None
@@ -119,8 +122,12 @@ class FakeWorkerHandle:
         self.entered.set()
         if self.hung:
             await asyncio.Event().wait()  # cancelled by the controller's deadline
-        await asyncio.sleep(0)  # a real actor call always suspends the loop
-        await self.gate.wait()
+        try:
+            await asyncio.sleep(0)  # a real actor call always suspends the loop
+            await self.gate.wait()
+        except asyncio.CancelledError:
+            if not self.answers_cancel:
+                raise
         self.num_steps += 1
         return result
 

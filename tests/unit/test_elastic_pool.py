@@ -152,6 +152,52 @@ def test_past_the_drain_timeout_requests_move_and_keep_their_tokens() -> None:
     run(main())
 
 
+def test_a_drain_ends_the_step_loop_even_when_its_cancel_is_answered() -> None:
+    # The drained worker's step answers as the drain cancels it, so the cancel never
+    # reaches the loop; the loop must end all the same, or the drain waits for ever.
+    async def main() -> None:
+        prompts = {f"c{i}": [2 + i, 7, 1, 8] for i in range(4)}
+        expected = await undisturbed(prompts)
+        pool = Pool(2)
+        stuck = pool.handles[1]
+        stuck.gate.clear()
+        stuck.answers_cancel = True
+        running = [asyncio.create_task(pool.request(p, r)) for r, p in prompts.items()]
+        await stuck.entered.wait()
+        report = await pool.actor.drain_worker(1, timeout_s=0.05)
+        assert not report["finished"] and 1 in pool.actor.pool.removed
+        assert pool.actor.slots[1].task is not None and pool.actor.slots[1].task.done()
+        results = await asyncio.gather(*running)
+        assert {a.request_id: d.token_ids for a, d in results} == expected
+        assert all(w["checked"] for w in (await pool.actor.check_integrity())["workers"])
+
+    run(main())
+
+
+def test_a_cancel_that_lands_as_the_worker_answers_is_not_lost() -> None:
+    # asyncio.wait_for (Python 3.11) returns the answer when it is cancelled in the tick
+    # the answer arrives; the slot's worker call must raise CancelledError instead.
+    async def main() -> None:
+        pool = Pool(1)
+        await pool.request([1, 2, 3], "warm")
+        slot = pool.actor.slots[0]
+        answer: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        called = asyncio.Event()
+
+        def call() -> asyncio.Future[str]:
+            called.set()
+            return answer
+
+        waiting = asyncio.create_task(slot._call_worker(call, 5.0, "step"))
+        await called.wait()  # the call is awaiting its answer
+        answer.set_result("tokens")
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+
+    run(main())
+
+
 def test_the_last_worker_and_an_unknown_one_cannot_be_drained() -> None:
     async def main() -> None:
         pool = Pool(1)
