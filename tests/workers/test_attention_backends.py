@@ -19,6 +19,7 @@ import torch
 from tests.workers.attention_cases import MIXED, make_case, reference_attention
 from workers.attention import HostStaging, SeqSpan, StepMetadata, make_backend
 from workers.attention.torch_backend import TorchBackend, decode_groups
+from workers.kernels.cpu_ops import cpu_ops
 
 ATOL = 1e-5
 CPU = torch.device("cpu")
@@ -129,6 +130,40 @@ def test_cpu_backend_matches_reference():
     got = step.forward(case.q, case.k, case.v, (k_cache, v_cache), case.scale)
     torch.testing.assert_close(got.double(), want, atol=ATOL, rtol=0)
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [
+    (8, 2, 64, 16), (4, 4, 128, 16), (6, 2, 64, 8)])
+def test_cpu_chunk_kernel_matches_reference(num_heads, num_kv_heads, head_dim, block_size):
+    """The C++ chunk kernel (flash-style over the paged cache, causal by position, no mask)
+    against float64: fresh prompts (context = chunk), chunks deep into earlier context over
+    many key tiles, row counts off the kernel's tiles (1, 7, 33, 100), beside decodes; GQA
+    groups of 4, 1 and 3; strided q. The kernel of this machine's build, whether or not the
+    backend would pick it here (it does where the build has AVX-512)."""
+    case = make_case([(700, 1), (9, 1), (0, 33), (1000, 100), (45, 7), (0, 1), (61, 1),
+                      (5, 70)], num_heads=num_heads, num_kv_heads=num_kv_heads,
+                     head_dim=head_dim, block_size=block_size, seed=4)
+    want, want_k, want_v = reference_attention(case)
+    k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+    ops = cpu_ops()
+    assert ops is not None
+    backend = TorchBackend(torch.float32, num_kv_heads, head_dim,
+                           decode_kernel=ops.decode_attention, chunk_kernel=ops.chunk_attention)
+    step = backend.prepare(case.meta)
+    assert all(c.mask is None and c.block_ids is not None for c in step.chunks)
+    got = step.forward(case.q, case.k, case.v, (k_cache, v_cache), case.scale)
+    torch.testing.assert_close(got.double(), want, atol=ATOL, rtol=0)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+def test_cpu_chunk_kernel_is_used_only_for_its_head_sizes_with_avx512():
+    ops = cpu_ops()
+    assert ops is not None
+    is_avx512 = ops.chunk_attention_width == 16
+    for head_dim, has_kernel in ((64, is_avx512), (128, is_avx512), (16, False), (96, False)):
+        backend = make_backend("cpu", device=CPU, num_heads=4, num_kv_heads=2,
+                               head_dim=head_dim, dtype=torch.float32)
+        assert (backend.chunk_kernel is not None) == has_kernel
 
 
 def test_cpu_backend_bf16_matches_the_torch_backend():
