@@ -124,6 +124,7 @@ class RayControllerClient:
                     if time.monotonic() > give_up_at:
                         raise
                     await asyncio.sleep(backoff.next_s())  # a retry interval
+                    self._start_over(request_id, queue, pump)
         except BaseException as err:
             self._queues.pop(request_id, None)
             if isinstance(err, RayTaskError):  # refused: nothing was admitted
@@ -140,6 +141,20 @@ class RayControllerClient:
             self.abort(request_id)
         self._acked.add(request_id)
         return ack, self._deltas(request_id, queue)
+
+    def _start_over(self, request_id: str, queue: asyncio.Queue[Delta],
+                    pump: asyncio.Task[None] | None) -> None:
+        """Before a cut `submit` is sent again: the controller that answers it sends the
+        request's tokens from the first one (resumed from its journal, or run anew when it
+        has none), so what the lost one streamed before it died is dropped. Nobody has
+        read it: the consumer gets the deltas only once `submit` returns. Left as it is
+        once the stream it was sent to has ended (its queue holds that failure)."""
+        if pump is None or pump.done() or pump is not self._pump_task:
+            return
+        while not queue.empty():
+            queue.get_nowait()
+        self._queues[request_id] = queue  # again, if a finished delta had popped it
+        self._num_delivered.pop(request_id, None)
 
     async def _deltas(self, request_id: str, queue: asyncio.Queue[Delta]
                       ) -> AsyncIterator[Delta]:
