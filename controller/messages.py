@@ -106,6 +106,14 @@ class StepPlan:
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
 
+    @property
+    def carries_nothing(self) -> bool:
+        """No token, no finished id, no block move: the only plan that may be dropped
+        unsent. The moves are applied to the controller's tables when planned: a dropped
+        step that carried them left the worker's blocks where the prefix hashes no longer
+        point (a later hit read another request's KV)."""
+        return self.is_empty and not self.finished_request_ids and not self.block_moves
+
 
 @dataclass
 class ChunkComplete:

@@ -38,7 +38,7 @@ class SchedulerConfig:
     max_concurrent_chunks: int = setting(4, ge=1, description=(
         "Prefill chunks per step in NORMAL flow mode (flow control lowers it: "
         "flow.throttle_chunks, flow.throttle_hard_chunks, 0 under cache pressure)."))
-    async_scheduling: bool | None = setting(False, description=(
+    async_scheduling: bool | None = setting(None, description=(
         "Plan a worker's next step while its current one runs: in the Ray step loop the "
         "controller's planning and the actor round trip hide behind the device; in process "
         "(LocalEngine, controller/step_loop.py) the next step is launched as soon as the "
@@ -46,14 +46,11 @@ class SchedulerConfig:
         "sampled by the running step are "
         "pending in the next plan (the worker feeds them), a request that finishes is "
         "dropped a step later, and nobody is preempted while a step runs ahead. The same "
-        "tokens either way (vLLM's --async-scheduling). None: on where the worker is a "
-        "Ray actor (`make serve`, batch jobs), off in process. Measured on 2 cores in the "
-        "peer scene (docs/peer.md): served, the long prompt's first token 18 % sooner and "
-        "the users' tokens/s 14 % higher; in process 3 % slower, as there is no round "
-        "trip to hide and the planning takes the model's cores. Off by default since "
-        "2026-12-04: with it on, the integration suite's shared cluster gave a streamed "
-        "greedy answer that differed from the same request unstreamed in 2 of 8 runs "
-        "(0 of 5 off); until that is found, no speed is worth a changed answer."))
+        "tokens either way (vLLM's --async-scheduling). None (default): on where the "
+        "worker is a Ray actor (`make serve`, batch jobs), off in process. Measured on 2 "
+        "cores in the peer scene (docs/peer.md): served, the long prompt's first token 18 % "
+        "sooner and the users' tokens/s 14 % higher; in process 3 % slower, as there is no "
+        "round trip to hide and the planning takes the model's cores."))
     plan_ahead_at: float = setting(0.7, ge=0, lt=1, description=(
         "With async scheduling in the Ray step loop: the next step is planned once the "
         "running one is this share done, by its predicted time (the cost model's, scaled "

@@ -13,8 +13,8 @@ so planning n+1 and applying n overlap the device. The step planned ahead is
 `ControllerCore.begin_step(is_ahead=True)`'s: the tokens n samples are pending in it,
 nobody is preempted in it, and a request that stops early was planned one step too far
 (that step's token is dropped): the tokens are those of stepping serially
-(tests/unit/test_step_pipeline.py). A plan ahead that carries nothing is discarded, never
-launched.
+(tests/unit/test_step_pipeline.py). A plan ahead that carries nothing (no token, finished
+id or block move: `StepPlan.carries_nothing`) is discarded, never launched.
 
 The worker is a `launch` / `wait` pair. `launch(plan)` submits a step behind any step
 already submitted and returns what `wait` takes. A worker actor orders its calls itself
@@ -138,7 +138,7 @@ class StepLoop:
         planned_at = self.clock()
         plan = core.begin_step(w)
         self._planning_s += self.clock() - planned_at
-        if not force and plan.is_empty and not plan.finished_request_ids:
+        if not force and plan.carries_nothing:
             core.discard_step(w, plan)
             return None
         return Launched(plan, self._launch(plan), planned_at)
@@ -152,7 +152,7 @@ class StepLoop:
         planned_at = self.clock()
         plan = core.begin_step(w, is_ahead=True)
         self._planning_s += self.clock() - planned_at
-        if plan.is_empty and not plan.finished_request_ids:
+        if plan.carries_nothing:
             core.discard_step(w, plan)
             return
         self._ahead = Launched(plan, self._launch(plan), planned_at)

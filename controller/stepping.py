@@ -51,7 +51,7 @@ class Stepping:
 
     def discard_step(self, worker: int, plan: StepPlan) -> None:
         """Forget a planned-ahead step that carries nothing (it is never sent)."""
-        assert plan.is_empty and not plan.finished_request_ids
+        assert plan.carries_nothing
         state = self.workers[worker]
         state.scheduler.pop_shape(plan.step_id)
         state.step_started.pop(plan.step_id, None)

@@ -4,9 +4,12 @@ It keeps its own per-request state, built only from the plans' diffs (as the rea
 does; a scheduled request without a diff continues where its last step left it), and checks
 every diff against it: a cached request it does not hold, a
 `num_computed_tokens` that disagrees with what it computed, or a block table too small for
-the scheduled tokens fails the test. It samples a seeded token whenever a request's known
-tokens are all computed, and reports `chunk_complete` events with a scripted cost and
-bandwidth.
+the scheduled tokens fails the test. With `check_kv` it also keeps what each KV slot holds
+(which tokens the position was computed from) and fails a step that would attend over a
+slot holding anything else: a prefix hit on a block never written or overwritten since, a
+block freed while still read, a lost defragmentation move. It samples a seeded token
+whenever a request's known tokens are all computed, and reports `chunk_complete` events
+with a scripted cost and bandwidth.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ class FakeRunner:
                  chunk_cost: Callable[[str, int, int], float] | None = None,
                  bandwidth: Callable[[], float | None] | None = None,
                  block_size: int | None = None,
-                 sample: Callable[[list[int]], int] | None = None):
+                 sample: Callable[[list[int]], int] | None = None, check_kv: bool = False):
         self.scheduler = scheduler  # only for `step()`; execute reads the plan alone
         self.vocab_size = vocab_size
         if block_size is None:
@@ -47,6 +50,9 @@ class FakeRunner:
         self.bandwidth = bandwidth or (lambda: None)
         # token ids so far -> the next token; default: a seeded draw (depends on step order)
         self.sample = sample or (lambda token_ids: self.rng.randrange(self.vocab_size))
+        # block id -> per slot, the tokens (as a tuple) whose last one was computed there
+        self.kv: dict[int, list[tuple[int, ...] | None]] | None = {} if check_kv else None
+        self.num_kv_checked = 0  # context slots verified
 
     @property
     def held(self) -> dict[str, list[int]]:
@@ -58,6 +64,13 @@ class FakeRunner:
             self.requests.pop(request_id, None)
         for req in self.requests.values():  # defragmentation renames blocks
             req.block_ids[:] = [plan.block_moves.get(b, b) for b in req.block_ids]
+        if self.kv is not None and plan.block_moves:  # and copies their KV, all at once
+            moved = {dst: self.kv.get(src) for src, dst in plan.block_moves.items()}
+            for dst, slots in moved.items():
+                if slots is None:
+                    self.kv.pop(dst, None)
+                else:
+                    self.kv[dst] = list(slots)
         for new in plan.new_requests:
             assert new.request_id not in self.requests, f"{new.request_id} sent new twice"
             num_prompt = len(new.token_ids) - new.num_output_tokens
@@ -83,6 +96,8 @@ class FakeRunner:
             end = start + num_new
             assert num_new > 0 and end <= len(req.token_ids), (request_id, start, num_new)
             assert end <= len(req.block_ids) * self.block_size, "block table too small"
+            if self.kv is not None:
+                self._check_and_write_kv(request_id, req, start, end)
             req.num_computed_tokens = end
             sampled = [self.sample(req.token_ids)] if end == len(req.token_ids) else []
             req.token_ids.extend(sampled)
@@ -95,6 +110,26 @@ class FakeRunner:
                     ChunkComplete(request_id, index, start, num_new, elapsed, 0))
                 result.elapsed_s = max(result.elapsed_s, elapsed)
         return result
+
+    def _check_and_write_kv(self, request_id: str, req: _FakeRequest, start: int,
+                            end: int) -> None:
+        """The span attends over positions 0..end-1: those before it must hold this
+        request's own tokens (computed earlier, or shared by a prefix hit); then it writes
+        its own. A step's spans are checked in plan order, as if each wrote before the next
+        read, which no two spans of one step can tell apart (they share no block unless it
+        is full and read-only)."""
+        assert self.kv is not None
+        size = self.block_size
+        for p in range(start):
+            slots = self.kv.get(req.block_ids[p // size])
+            held = slots[p % size] if slots is not None else None
+            assert held == tuple(req.token_ids[:p + 1]), (
+                f"{request_id}: position {p} in block {req.block_ids[p // size]} holds KV of "
+                f"{held}, not of its own tokens")
+        self.num_kv_checked += start
+        for p in range(start, end):
+            slots = self.kv.setdefault(req.block_ids[p // size], [None] * size)
+            slots[p % size] = tuple(req.token_ids[:p + 1])
 
     def step(self) -> list:
         assert self.scheduler is not None

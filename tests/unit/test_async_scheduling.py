@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
+
 from cluster.controller_client import RayControllerClient, run_request
 from controller.actor import ControllerActor
 from controller.messages import (
@@ -42,7 +44,8 @@ class OrderedWorkerHandle(FakeWorkerHandle):
     """`FakeWorkerHandle` whose calls start when sent and run one at a time, in order."""
 
     def __init__(self) -> None:
-        super().__init__(FakeRunner(vocab_size=VOCAB, block_size=4, sample=next_token))
+        super().__init__(FakeRunner(vocab_size=VOCAB, block_size=4, sample=next_token,
+                                    check_kv=True))
         self._last: asyncio.Task[StepResult] | None = None
         self.num_outstanding = self.max_outstanding = 0
 
@@ -128,15 +131,12 @@ def test_async_scheduling_overlaps_steps_and_changes_no_token() -> None:
     assert stats["num_unfinished"] == 0
 
 
-def test_unset_a_worker_actor_is_planned_ahead_and_an_in_process_worker_is_not() -> None:
+def test_by_default_a_worker_actor_is_planned_ahead_and_an_in_process_worker_is_not() -> None:
     # The actor's round trip is what planning ahead hides; in process there is none, and on
-    # a CPU the planning would take the model's cores (SchedulerConfig.is_async). The
-    # default is off (scheduler_config.py says why).
+    # a CPU the planning would take the model's cores (SchedulerConfig.is_async).
     default = SchedulerConfig()
-    assert default.async_scheduling is False
-    assert not default.is_async(is_actor=True) and not default.is_async(is_actor=False)
-    unset = SchedulerConfig(async_scheduling=None)
-    assert unset.is_async(is_actor=True) and not unset.is_async(is_actor=False)
+    assert default.async_scheduling is None
+    assert default.is_async(is_actor=True) and not default.is_async(is_actor=False)
     assert not SchedulerConfig(async_scheduling=False).is_async(is_actor=True)
     assert SchedulerConfig(async_scheduling=True).is_async(is_actor=False)
     got, handle, _ = run_all(None)
@@ -202,3 +202,85 @@ def test_the_next_step_is_planned_late_so_that_a_new_request_rides_in_it() -> No
     # Planned once step 0 is 70 % done by its predicted 100 s: it ended first, and step 1
     # was planned knowing of b.
     assert first_step_of_late_arrival(plan_ahead_at=0.7, predicted_s=100.0) == 1
+
+
+def expected_tokens(prompt: list[int], params: SamplingParams) -> list[int]:
+    ids = list(prompt)
+    for _ in range(params.max_tokens):
+        ids.append(next_token(ids))
+        if ids[-1] in params.stop_token_ids:
+            break
+    return ids[len(prompt):]
+
+
+def churn(seed: int, plan_ahead_at: float) -> dict[str, Any]:
+    """Requests that share prefixes (prefix hits), over a pool too small for them all (hit
+    blocks evicted and reused, defragmentation), a third of them aborted at a random
+    token, some stopping early; the worker checks every KV slot it attends over
+    (`FakeRunner(check_kv=True)`). Returns the controller's stats."""
+    import random
+
+    rng = random.Random(seed)
+    handle = OrderedWorkerHandle()
+    fit = LinearFit(1e-4, 0.0, 0.0)  # about the fake's own step time: late and at once
+    options = ControllerOptions(
+        worker=WorkerConfig(num_workers=1),
+        scheduler=SchedulerConfig(max_num_batched_tokens=24, max_num_seqs=6,
+                                  max_chunk_tokens=8, async_scheduling=True,
+                                  plan_ahead_at=plan_ahead_at, defrag_threshold=0.1,
+                                  defrag_every_steps=1),
+        step_cost=StepCost(fit, fit), itl_slo_s=1e6)
+    stems = [[rng.randrange(1, 90) for _ in range(rng.randrange(4, 14))] for _ in range(4)]
+    requests = []
+    for i in range(40):
+        prompt = rng.choice(stems) + [rng.randrange(1, 90) for _ in range(rng.randrange(1, 6))]
+        stop = (next_token(prompt),) if i % 5 == 0 else ()  # ends at its first token
+        params = SamplingParams(max_tokens=rng.randrange(1, 10), temperature=0.0,
+                                ignore_eos=True, stop_token_ids=stop)
+        abort_at = rng.randrange(0, 4) if i % 3 == 0 else None
+        requests.append((f"c{i}", prompt, params, abort_at))
+
+    async def one(client: RayControllerClient, rid: str, prompt: list[int],
+                  params: SamplingParams, abort_at: int | None) -> None:
+        _, deltas = await client.submit(prompt, params, rid, 0, "default")
+        tokens: list[int] = []
+        if abort_at == 0:
+            client.abort(rid)
+        async for delta in deltas:
+            tokens.extend(delta.token_ids)
+            if abort_at is not None and len(tokens) >= abort_at:
+                client.abort(rid)
+        want = expected_tokens(prompt, params)
+        assert tokens == want[:len(tokens)], rid  # an aborted one ends early, never wrong
+        if abort_at is None:
+            assert tokens == want, rid
+
+    async def main() -> dict[str, Any]:
+        actor = ControllerActor(options, worker_factory=lambda opts: [handle],
+                                kill_worker=lambda h: None)
+        client = RayControllerClient(LocalHandle(actor))
+        tasks = []
+        for rid, prompt, params, abort_at in requests:
+            tasks.append(asyncio.ensure_future(one(client, rid, prompt, params, abort_at)))
+            for _ in range(rng.randrange(0, 6)):  # arrivals spread over the steps
+                await asyncio.sleep(0)
+        await asyncio.gather(*tasks)
+        report = await actor.check_integrity()
+        assert all(w["checked"] for w in report["workers"]), report
+        stats = await actor.stats()
+        await actor.shutdown()
+        return stats
+
+    stats = asyncio.run(asyncio.wait_for(main(), 60))
+    assert handle.max_outstanding == 2 and handle.runner.num_kv_checked > 0
+    return stats
+
+
+@pytest.mark.parametrize("plan_ahead_at", [0.0, 0.7])
+def test_planned_ahead_steps_never_read_kv_that_is_not_their_own(plan_ahead_at: float) -> None:
+    hits = defrags = 0
+    for seed in range(6):
+        worker = churn(seed, plan_ahead_at)["workers"][0]
+        hits += worker["num_prefix_hit_tokens"]
+        defrags += worker["num_defrag_moves"]
+    assert hits > 0 and defrags > 0  # the paths under test were taken

@@ -78,6 +78,8 @@ class FakeWorkerHandle:
         """What a SIGKILL plus Ray's restart does: a new process with no KV and no state."""
         self.incarnation = f"fake-{int(self.incarnation.split('-')[1]) + 1}"
         self.runner.requests.clear()
+        if self.runner.kv is not None:
+            self.runner.kv.clear()
         self.num_restarts += 1
 
     def kill(self) -> None:

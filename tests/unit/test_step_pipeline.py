@@ -27,12 +27,14 @@ class LaunchWaitWorker:
         self.core = core
         self.launched: list[int] = []  # step ids launched and not waited for
         self.events: list[tuple[str, int]] = []
+        self.plans: list[StepPlan] = []  # launched, in order
         self.max_planned_ahead = 0
 
     def launch(self, plan: StepPlan) -> StepPlan:
         assert not self.launched, "a step launched before the last one was waited for"
         self.launched.append(plan.step_id)
         self.events.append(("launch", plan.step_id))
+        self.plans.append(plan)
         return plan
 
     def wait(self, plan: StepPlan) -> StepResult:
@@ -118,3 +120,47 @@ def test_an_abort_while_a_step_runs_releases_its_blocks() -> None:
     pipeline.step()  # tells the worker the finished ids: it drops their tables
     assert worker.runner.requests == {}
     assert core.scheduler(0).kv.pool.stats().num_used == 0
+
+
+def test_a_step_that_only_moves_blocks_is_sent_not_dropped() -> None:
+    """A step planned ahead may schedule no token (the last running request's final token
+    is pending) and still carry defragmentation moves, which the controller has already
+    applied to its block tables and prefix hashes. Dropped, the worker never copied the
+    blocks: a later prefix hit read another request's KV (found on the shared cluster as a
+    changed greedy answer). B frees the low blocks, A's are moved down by every step's
+    compaction, then C, with A's prompt, hits A's moved blocks; the worker checks every KV
+    slot it reads. Over a range of A's lengths and defragmentation periods so that the
+    compaction lands on such a step."""
+    num_move_only = 0
+    for every in range(1, 7):
+        for max_tokens in range(1, 6):
+            core = ControllerCore([PoolSpec(16, 4, True)], ControllerOptions(
+                scheduler=SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8,
+                                          defrag_threshold=0.1, defrag_every_steps=every)),
+                ModelFacts((0,), vocab_size=VOCAB))
+            worker = LaunchWaitWorker(core)
+            worker.runner.kv = {}  # FakeRunner(check_kv=True)'s slots
+            loop = StepLoop(core, 0, worker.launch, worker.wait, is_ahead=True)
+            a_prompt = [(5 * j + 3) % 90 + 1 for j in range(9)]
+            core.add_request([7] * 9, SamplingParams(max_tokens=1, temperature=0.0,
+                                                     ignore_eos=True))
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            a = core.add_request(a_prompt, params).request_id
+            c = None
+            got: list[int] = []
+            while loop.has_work():
+                for out in loop.step().outputs:
+                    if out.request_id == c:
+                        got += out.new_token_ids
+                    elif out.request_id == a and out.finished:
+                        c = core.add_request(a_prompt, params).request_id
+            launched = [p for kind, p in worker.events if kind == "launch"]
+            assert launched == sorted(set(launched)), "every step planned is sent, in order"
+            num_move_only += sum(1 for plan in worker.plans if plan.block_moves
+                                 and plan.is_empty)
+            expected = list(a_prompt)
+            for _ in range(max_tokens):
+                expected.append(next_token(expected))
+            assert got == expected[len(a_prompt):], (every, max_tokens)
+            assert worker.runner.num_kv_checked > 0
+    assert num_move_only > 0  # the case under test happened
