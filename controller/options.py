@@ -76,6 +76,12 @@ class WorkerConfig:
         "Weights smaller than this (elements) are never packed."))
     cpu_packed_any_rows_elements: int = setting(1 << 20, ge=1, description=(
         "Weights of at least this many elements use the packed copy for any row count."))
+    check_kv_provenance: bool = setting(False, description=(
+        "Debugging: before every step the worker checks that each KV slot it attends over "
+        "was computed from the same tokens (workers/kv_provenance.py) and fails the step "
+        "otherwise; a prefix hit or a block move gone wrong then fails loudly instead of "
+        "changing an answer now and then. Costs a Python pass over each context per step; "
+        "the integration tests' cluster runs with it."))
     num_threads: int | None = setting(None, description=(
         "torch intra-op threads of a CPU worker (actor or LocalEngine). None: the "
         "process's default: as many as the CPUs Ray reserves for an actor "

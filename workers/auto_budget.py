@@ -155,7 +155,12 @@ def worker_budget_table(worker: Worker, model: str, dtype: str, request: AutoBud
         threads=torch.get_num_threads())
 
     def calibrate(spec: CalibrationSpec) -> dict[str, Any]:
-        return Calibrator(spec, progress=progress, worker=worker).run()
+        # Its timing steps attend over contexts they never computed: not the KV check's.
+        checked, worker.kv_provenance = worker.kv_provenance, None
+        try:
+            return Calibrator(spec, progress=progress, worker=worker).run()
+        finally:
+            worker.kv_provenance = checked
 
     return load_or_calibrate(spec, worker_identity(worker), cal, request.itl_slo_ms,
                              measure or calibrate)

@@ -38,6 +38,7 @@ class WorkerSection(Protocol):
     telemetry: bool
     peak_bandwidth_bytes_s: float | None
     num_threads: int | None
+    check_kv_provenance: bool
     attention_backend: str
     cuda_graphs: bool
     max_graph_batch: int

@@ -41,6 +41,7 @@ from torch import Tensor
 from controller.messages import CachedRequestData, NewRequestData, StepPlan, StepResult
 from workers.attention import HostStaging, SeqSpan, StepMetadata, allocate_kv_cache, make_backend
 from workers.cuda_graphs import DecodeGraphs, Forward
+from workers.kv_provenance import KVProvenance
 from workers.loader import load_model, parse_dtype
 from workers.model_config import ModelConfig
 from workers.presets import resolve_model
@@ -61,6 +62,8 @@ def build_worker(section: WorkerSection, cache: CacheSection) -> Worker:
                     seed=section.seed, device=section.device, run=RunOptions(
                         section.num_threads, section.attention_backend, section.cuda_graphs,
                         section.max_graph_batch, packing_policy(section)))
+    if section.check_kv_provenance:
+        worker.kv_provenance = KVProvenance(cache.block_size)
     if section.telemetry:
         from workers.telemetry import make_source
 
@@ -138,6 +141,7 @@ class Worker(StepResults):
         self.last_logits: dict[str, Tensor] = {}  # [vocab] fp32, last token of the last span
         self.span_logits: dict[str, Tensor] = {}  # [n, vocab] fp32, every token of that span
         self._requests: dict[str, RequestState] = {}
+        self.kv_provenance: KVProvenance | None = None  # worker.check_kv_provenance
         self._launched = False  # a step launched and not waited for (`launch`, `wait`)
         self._host_ids = torch.empty(0, dtype=torch.int64)  # pinned once a CUDA step samples
         # Bandwidth samples for flow control (workers/telemetry.py); set by whoever owns the
@@ -334,6 +338,11 @@ class Worker(StepResults):
                     f"{request_id}: {end} tokens exceed max_model_len {self._config.max_model_len}"
                 )
             scheduled.append((request_id, state, begin, num_tokens))
+        if self.kv_provenance is not None:  # before the forward: a failed step writes no KV
+            for request_id, state, begin, num_tokens in scheduled:
+                self.kv_provenance.check_and_write(request_id, state.token_ids,
+                                                   state.block_ids.tolist(), begin,
+                                                   begin + num_tokens)
         pending = PendingStep(plan, start_s, start_event)
         if not scheduled:
             if moves is not None:
@@ -435,6 +444,8 @@ class Worker(StepResults):
         -> (sources, destinations), whose K/V rows `_copy_blocks` moves (on CUDA from the
         step's metadata upload: no pageable copy, no sync)."""
         self._check_blocks([*moves, *moves.values()])
+        if self.kv_provenance is not None:
+            self.kv_provenance.move(moves)
         for state in self._requests.values():
             state.block_ids[:] = [moves.get(b, b) for b in state.block_ids.tolist()]
         return (np.fromiter(moves, np.int64, len(moves)),

@@ -18,8 +18,10 @@ from cluster.config import TokenflowConfig
 
 # Small on purpose: 160 blocks x 8 tokens per worker, prompts over 76 tokens get 422.
 CLUSTER_CONFIG: dict[str, Any] = {
+    # check_kv_provenance: a step that would read KV of other tokens fails the worker, which
+    # the session's end asserts never happened (workers/kv_provenance.py).
     "worker": {"model": "builtin:tiny", "num_workers": 2, "max_model_len": 1024,
-               "default_max_tokens": 16},
+               "default_max_tokens": 16, "check_kv_provenance": True},
     "cache": {"block_size": 8, "num_kv_blocks": 160},
     "scheduler": {"max_num_batched_tokens": 256, "max_num_seqs": 64},
     "protections": {"max_prefill_tokens": 64},
@@ -70,6 +72,10 @@ def cluster() -> Iterator[Cluster]:
         controller = ray.get_actor(CONTROLLER_NAME, namespace=config.cluster.namespace)
         ray.get(controller.model_info.remote(), timeout=120)  # workers are up
         yield Cluster(f"http://127.0.0.1:{port}", config, controller)
+        # No test fails these workers on purpose: a failure is a step the KV check refused
+        # (its error is in the worker's log), or a crash, and either is a bug.
+        workers = ray.get(controller.stats.remote(), timeout=30)["workers"]
+        assert [w["num_failures"] for w in workers] == [0] * len(workers), workers
     finally:
         serve.shutdown()
         ray.shutdown()
