@@ -407,8 +407,7 @@ class ControllerActor:
         if self.autoscaler is not None:
             self.autoscaler.stop()
         for slot in self.slots:
-            if slot.task is not None:
-                slot.task.cancel()
+            slot.request_stop()  # a cancel alone can be lost (WorkerSlot.stop)
             slot.transport.close()
         for slot in self._active():
             kill_for_good(slot.handle)

@@ -131,13 +131,18 @@ class WorkerSlot:
         A cancel alone is not enough: one that lands as an awaited call completes may be
         lost (Python 3.11's `asyncio.wait_for` returns the result instead), and the loop
         would then park for ever; so the loop also ends on `is_stopped`, woken here."""
-        self.is_stopped = True
+        self.request_stop()
         if self.task is None:
             return
-        self.task.cancel()
-        self.notify()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await self.task
+
+    def request_stop(self) -> None:
+        """`stop` without waiting for the loop to end (a shutdown that cannot await it)."""
+        self.is_stopped = True
+        if self.task is not None:
+            self.task.cancel()
+            self.notify()
 
     def notify(self) -> None:
         self.parked.clear()
