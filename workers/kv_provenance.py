@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from workers.step_state import RequestState
+
 _Slot = tuple[int, str]  # (key of the tokens it was computed from, the writer's request id)
 
 
@@ -39,6 +41,16 @@ class KVProvenance:
                 self._blocks.pop(dst, None)
             else:
                 self._blocks[dst] = list(slots)
+
+    def check_step(self, moves: dict[int, int],
+                   scheduled: Sequence[tuple[str, RequestState, int, int]]) -> None:
+        """A step's block moves (made before its forward), then each scheduled span
+        (request id, its state, first position, tokens) checked and written in turn."""
+        if moves:
+            self.move(moves)
+        for request_id, state, begin, num_tokens in scheduled:
+            self.check_and_write(request_id, state.token_ids, state.block_ids.tolist(), begin,
+                                 begin + num_tokens)
 
     def check_and_write(self, request_id: str, token_ids: Sequence[int],
                         block_ids: Sequence[int], begin: int, end: int) -> None:

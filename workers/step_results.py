@@ -2,7 +2,18 @@
 tokens, one `ChunkComplete` per prefill chunk, the bytes the step moved (the model's
 config prices them), the telemetry sample taken on it, and the log-probabilities its
 requests ask for (workers/logprobs.py), and the grammar masks of constrained requests
-(workers/structured/): log-probabilities are always of the raw logits, before the mask."""
+(workers/structured/): log-probabilities are always of the raw logits, before the mask.
+
+Bytes-moved estimate (feeds the CPU bandwidth telemetry), per step:
+    weights read   = every weight matrix once (the embedding table only for its T gathered
+                     rows, unless it doubles as lm_head)
+  + KV read        = sum over spans of context_len * kv_bytes_per_token
+  + KV written     = T * kv_bytes_per_token
+  + activations    = T * act_bytes_per_token + S * vocab * 4 (fp32 logits)
+where kv_bytes_per_token and act_bytes_per_token come from the model's config
+(`ModelConfig.kv_bytes_per_token`, `ModelConfig.activation_bytes_per_token`).
+A chunk's `bytes_moved` uses the same terms for its own tokens plus its pro-rata share of weights.
+"""
 
 from __future__ import annotations
 

@@ -16,15 +16,7 @@ graph of their batch-size bucket (workers/cuda_graphs.py) and mixed steps run ea
 random rows' sampling parameters ride in the metadata upload, tokens are sampled on the
 device and copied back in one copy: nothing in `launch` waits for the device.
 
-Bytes-moved estimate (feeds the CPU bandwidth telemetry), per step:
-    weights read   = every weight matrix once (the embedding table only for its T gathered
-                     rows, unless it doubles as lm_head)
-  + KV read        = sum over spans of context_len * kv_bytes_per_token
-  + KV written     = T * kv_bytes_per_token
-  + activations    = T * act_bytes_per_token + S * vocab * 4 (fp32 logits)
-where kv_bytes_per_token and act_bytes_per_token come from the model's config
-(`ModelConfig.kv_bytes_per_token`, `ModelConfig.activation_bytes_per_token`).
-A chunk's `bytes_moved` uses the same terms for its own tokens plus its pro-rata share of weights.
+The bytes a step moves (the CPU bandwidth telemetry): workers/step_results.py.
 """
 
 from __future__ import annotations
@@ -339,10 +331,7 @@ class Worker(StepResults):
                 )
             scheduled.append((request_id, state, begin, num_tokens))
         if self.kv_provenance is not None:  # before the forward: a failed step writes no KV
-            for request_id, state, begin, num_tokens in scheduled:
-                self.kv_provenance.check_and_write(request_id, state.token_ids,
-                                                   state.block_ids.tolist(), begin,
-                                                   begin + num_tokens)
+            self.kv_provenance.check_step(plan.block_moves, scheduled)
         pending = PendingStep(plan, start_s, start_event)
         if not scheduled:
             if moves is not None:
@@ -444,8 +433,6 @@ class Worker(StepResults):
         -> (sources, destinations), whose K/V rows `_copy_blocks` moves (on CUDA from the
         step's metadata upload: no pageable copy, no sync)."""
         self._check_blocks([*moves, *moves.values()])
-        if self.kv_provenance is not None:
-            self.kv_provenance.move(moves)
         for state in self._requests.values():
             state.block_ids[:] = [moves.get(b, b) for b in state.block_ids.tolist()]
         return (np.fromiter(moves, np.int64, len(moves)),
