@@ -93,15 +93,24 @@ def test_an_added_worker_joins_once_loaded_and_takes_new_requests() -> None:
     run(main())
 
 
+async def hold_worker_1(prompts: dict[str, list[int]], answers_cancel: bool = False
+                        ) -> tuple[dict[str, list[int]], Pool, Any, list[asyncio.Task[Any]]]:
+    """The undisturbed tokens of `prompts`, then a 2-worker pool serving them with worker 1
+    held in its first step: (expected, pool, worker 1's handle, the running requests)."""
+    expected = await undisturbed(prompts)
+    pool = Pool(2)
+    held = pool.handles[1]
+    held.gate.clear()
+    held.answers_cancel = answers_cancel
+    running = [asyncio.create_task(pool.request(p, r)) for r, p in prompts.items()]
+    await held.entered.wait()
+    return expected, pool, held, running
+
+
 def test_a_drained_worker_finishes_its_requests_takes_no_new_one_and_is_removed() -> None:
     async def main() -> None:
         prompts = {f"r{i}": [1 + i, 2, 3, 4] for i in range(4)}
-        expected = await undisturbed(prompts)
-        pool = Pool(2)
-        slow = pool.handles[1]
-        slow.gate.clear()
-        running = [asyncio.create_task(pool.request(p, r)) for r, p in prompts.items()]
-        await slow.entered.wait()
+        expected, pool, slow, running = await hold_worker_1(prompts)
         on_slow = {r for r, w in pool.actor.core.request_to_worker.items() if w == 1}
         assert on_slow  # the drain has requests to finish
         answer = await pool.actor.drain_worker(1, timeout_s=60, wait=False)
@@ -133,12 +142,8 @@ def test_a_drained_worker_finishes_its_requests_takes_no_new_one_and_is_removed(
 def test_past_the_drain_timeout_requests_move_and_keep_their_tokens() -> None:
     async def main() -> None:
         prompts = {f"m{i}": [3 + i, 1, 4, 1, 5] for i in range(4)}
-        expected = await undisturbed(prompts)
-        pool = Pool(2)
-        stuck = pool.handles[1]
-        stuck.gate.clear()  # never finishes a step while draining
-        running = [asyncio.create_task(pool.request(p, r)) for r, p in prompts.items()]
-        await stuck.entered.wait()
+        # Worker 1 never finishes a step while draining.
+        expected, pool, stuck, running = await hold_worker_1(prompts)
         on_stuck = {r for r, w in pool.actor.core.request_to_worker.items() if w == 1}
         report = await pool.actor.drain_worker(1, timeout_s=0.05)
         assert not report["finished"] and report["num_moved"] == len(on_stuck) > 0
@@ -157,13 +162,7 @@ def test_a_drain_ends_the_step_loop_even_when_its_cancel_is_answered() -> None:
     # reaches the loop; the loop must end all the same, or the drain waits for ever.
     async def main() -> None:
         prompts = {f"c{i}": [2 + i, 7, 1, 8] for i in range(4)}
-        expected = await undisturbed(prompts)
-        pool = Pool(2)
-        stuck = pool.handles[1]
-        stuck.gate.clear()
-        stuck.answers_cancel = True
-        running = [asyncio.create_task(pool.request(p, r)) for r, p in prompts.items()]
-        await stuck.entered.wait()
+        expected, pool, _, running = await hold_worker_1(prompts, answers_cancel=True)
         report = await pool.actor.drain_worker(1, timeout_s=0.05)
         assert not report["finished"] and 1 in pool.actor.pool.removed
         assert pool.actor.slots[1].task is not None and pool.actor.slots[1].task.done()
