@@ -16,7 +16,8 @@ with one chunk a step (throttled or degraded), short prompts and long chunks tak
 With a step cost model and an ITL SLO, each chunk is the largest (on the block/tile grid)
 whose step, the decodes riding along included, is predicted under the SLO at the request's
 current depth: deeper chunks get smaller (with the derived SLO, never below the smallest
-efficient at their depth: `slo.max_depth_stretch`), shallow ones use the whole SLO.
+efficient at their depth, `slo.max_depth_stretch`, except in a step that carries a short
+prompt's first chunk), shallow ones use the whole SLO.
 A running request that cannot get a block preempts by recompute the lowest-priority,
 latest-arrived running request (possibly itself), which returns to the waiting queue
 ahead of every later arrival of its priority. Waiting requests never preempt.
@@ -63,12 +64,10 @@ class Scheduler(SchedulerResults):
         self.requests: dict[str, Request] = {}
         self.waiting: dict[str, Request] = {}  # ordered by sort_key when scheduling
         self.running: list[Request] = []  # admission order
-        # Arrival order; the core shares one counter between its workers' schedulers so a
-        # request that moves to another worker keeps its place in line there.
+        # Arrival order, one counter for all workers: a moved request keeps its place.
         self._arrivals = arrivals or itertools.count()
         self._step_ids = itertools.count()
-        # request id -> (blocks already sent, num_computed_tokens the worker will have
-        # reached after the last step that carried it)
+        # id -> (blocks sent, num_computed_tokens after the last step that carried it)
         self._worker_known: dict[str, tuple[int, int]] = {}
         self._finished_ids: set[str] = set()  # to tell the worker next plan
         self.stats = SchedulerStats()
@@ -370,7 +369,8 @@ class Scheduler(SchedulerResults):
         tokens kept for short prompts, is predicted under the ITL SLO divided by the
         measured headroom; None without a cost model. Nothing fits: one unit for the step's
         first chunk (progress beats the SLO), else 0. Deep, with a stretch: at least the
-        smallest chunk efficient there, within the stretched SLO (controller/chunk_size.py)."""
+        smallest chunk efficient there, within the stretched SLO (controller/chunk_size.py),
+        unless a short prompt waits (`reserved`): its first token ends this step."""
         cost, slo = self.step_cost, self.itl_slo_s
         if cost is None or slo is None or most <= 0:
             return None
@@ -380,7 +380,7 @@ class Scheduler(SchedulerResults):
         if step.seconds(most) <= (slo := slo / self.slo_headroom):
             return most
         tokens = step.largest_under(most, slo)
-        if self.depth_stretch > 1 and context > 0:
+        if self.depth_stretch > 1 and context > 0 and not reserved:
             tokens = max(tokens, self._depth_stretch.efficient(
                 step, most, slo * self.depth_stretch, self.config.max_num_batched_tokens))
         if tokens == 0 and not shape.chunks:

@@ -283,3 +283,25 @@ def test_one_chunk_a_step_lets_a_short_prompt_take_turns_with_the_long_one():
         assert s.first_token_step[rid] - step <= 2, rid
     long_steps = sum("long" in p.num_scheduled_tokens for p in s.plans[-40:])
     assert long_steps >= 19  # every other step at least
+
+
+def test_a_short_prompt_deep_in_a_long_prefill_rides_in_a_step_held_to_the_slo():
+    """The short prompt's first token comes at the end of the step it rides in: deep in a
+    long prompt, where chunks stretch their steps past the SLO to stay efficient, that
+    step is held to the SLO, the short prompt's time taken out of the long chunk. (Served,
+    a deep chunk that counted the reserved short tokens as its own overhead grew instead,
+    and the step carrying a 32-token prompt took 1.6x a chunk step.)"""
+    s = Scene(budget=8192, model=DEEP_COST, cost=DEEP_COST, depth_stretch=2.0,
+              long_prefill_token_threshold=512)
+    s.users_decoding()
+    s.add("long", 8000, max_tokens=2)
+    while sum(p.num_scheduled_tokens.get("long", 0) for p in s.plans) < 3000:
+        s.step()
+    assert s.step_times[-1] > SLO_S  # the long prompt's steps are stretched here
+    s.add("short", 32, max_tokens=2)
+    plan = s.step()
+    assert plan.num_scheduled_tokens["short"] == 32 and plan.num_scheduled_tokens["long"] > 0
+    assert s.first_token_step["short"] == len(s.plans) - 1
+    assert s.step_times[-1] <= SLO_S
+    s.step()  # the short prompt decodes now: the long chunk stretches again
+    assert s.step_times[-1] > SLO_S
