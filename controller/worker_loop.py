@@ -244,11 +244,13 @@ class WorkerSlot:
     def _plan_ahead_wait_s(self, predicted: float | None, started: float) -> float:
         """How long to wait before planning the next step while one predicted to take
         `predicted` s by the cost model runs (since `started`): until it is
-        `scheduler.plan_ahead_at` done at the pace measured here."""
-        share = self.core.scheduler(self.index).config.plan_ahead_at
-        if not self.loop.is_ahead or not share or not predicted:
+        `scheduler.plan_ahead_at` done at the pace measured here, and no earlier than
+        `scheduler.plan_ahead_lead_ms` before its expected end."""
+        config = self.core.scheduler(self.index).config
+        if not self.loop.is_ahead or not config.plan_ahead_at or not predicted:
             return 0.0
-        return started + share * predicted * self._step_time_ratio - time.perf_counter()
+        expected = predicted * self._step_time_ratio
+        return started + config.plan_ahead_s(expected) - time.perf_counter()
 
     async def _call_worker(self, call: Callable[[], Awaitable[T]], timeout_s: float,
                            what: str) -> T:

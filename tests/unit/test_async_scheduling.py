@@ -204,6 +204,17 @@ def test_the_next_step_is_planned_late_so_that_a_new_request_rides_in_it() -> No
     assert first_step_of_late_arrival(plan_ahead_at=0.7, predicted_s=100.0) == 1
 
 
+def test_a_long_step_is_planned_a_lead_before_its_end_a_short_one_by_the_share() -> None:
+    config = SchedulerConfig(plan_ahead_at=0.7, plan_ahead_lead_ms=10.0)
+    assert config.plan_ahead_s(0.030) == pytest.approx(0.021)  # 9 ms before a decode step ends
+    # A 250 ms chunk step: 10 ms before its end, not 75 (a request arriving 200 ms in
+    # still rides in the next step).
+    assert config.plan_ahead_s(0.250) == pytest.approx(0.240)
+    assert SchedulerConfig(plan_ahead_at=0.7, plan_ahead_lead_ms=None).plan_ahead_s(
+        0.250) == pytest.approx(0.175)
+    assert SchedulerConfig(plan_ahead_at=0.0).plan_ahead_s(0.250) == 0.0  # at once
+
+
 def expected_tokens(prompt: list[int], params: SamplingParams) -> list[int]:
     ids = list(prompt)
     for _ in range(params.max_tokens):
