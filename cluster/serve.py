@@ -80,7 +80,7 @@ def with_local_threads(config: TokenflowConfig, has_gpu: bool) -> TokenflowConfi
     """On the local cluster `make serve` starts, CPU workers whose thread count was not set
     share the machine's cores (2 workers on 8 cores: 4 threads each) instead of the one
     thread Ray's fractional CPU reservation gives an actor. Measured in the peer scene on 2
-    cores (benchmarks/results/peer.json): the worker on both cores halved the users' step
+    cores (docs/peer.md): the worker on both cores halved the users' step
     during a long prefill and its time to first token; the controller and the ingress use
     little CPU, and the worker's idle threads sleep (workers/__init__.py)."""
     worker = config.worker
