@@ -246,11 +246,11 @@ class WorkerSlot:
         `predicted` s by the cost model runs (since `started`): until it is
         `scheduler.plan_ahead_at` done at the pace measured here, and no earlier than
         `scheduler.plan_ahead_lead_ms` before its expected end."""
-        config = self.core.scheduler(self.index).config
-        if not self.loop.is_ahead or not config.plan_ahead_at or not predicted:
+        if not self.loop.is_ahead or not predicted:
             return 0.0
-        expected = predicted * self._step_time_ratio
-        return started + config.plan_ahead_s(expected) - time.perf_counter()
+        config = self.core.scheduler(self.index).config  # plan_ahead_at 0: at once
+        return started + config.plan_ahead_s(predicted * self._step_time_ratio) \
+            - time.perf_counter()
 
     async def _call_worker(self, call: Callable[[], Awaitable[T]], timeout_s: float,
                            what: str) -> T:
