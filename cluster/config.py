@@ -41,7 +41,7 @@ from controller.autoscale import ScalingConfig
 from controller.budget import AutoBudget, BudgetTable
 from controller.calibration import CalibrationConfig
 from controller.flow import FlowConfig
-from controller.journal import JournalConfig
+from controller.journal_records import JournalConfig
 from controller.options import (
     CacheConfig,
     ClusterConfig,

@@ -15,7 +15,7 @@ from controller.autoscale import ScalingConfig
 from controller.budget import AutoBudget, BudgetTable, StepCost
 from controller.calibration import CalibrationConfig
 from controller.flow import FlowConfig
-from controller.journal import JournalConfig
+from controller.journal_records import JournalConfig
 from controller.protections import ProtectionConfig
 from controller.recovery import RecoveryConfig
 from controller.scheduler import SchedulerConfig

@@ -332,7 +332,7 @@ class Worker(StepResults):
             scheduled.append((request_id, state, begin, num_tokens))
         if self.kv_provenance is not None:  # before the forward: a failed step writes no KV
             self.kv_provenance.check_step(plan.block_moves, scheduled)
-        pending = PendingStep(plan, start_s, start_event)
+        pending = PendingStep(plan, start_s, start_event=start_event)
         if not scheduled:
             if moves is not None:
                 self._copy_blocks(*(torch.from_numpy(a).to(self.device) for a in moves))

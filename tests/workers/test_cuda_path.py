@@ -76,7 +76,7 @@ def test_start_up_compiles_and_captures_and_a_step_never_syncs(checkpoint):
     the first step; `launch` of mixed and decode-only steps, with greedy, seeded and unseeded
     random rows, top-k and top-p, runs with CUDA's sync debug mode set to raise."""
     worker = Worker(str(checkpoint), num_kv_blocks=256, block_size=16, device="cuda",
-                    max_graph_batch=8)
+                    run=RunOptions(max_graph_batch=8))
     assert worker.uses_fused_layers and worker.startup_s > 0
     assert worker.graphs is not None and sorted(worker.graphs.graphs) == graph_buckets(8)
     captured = dict(worker.graphs.graphs)
@@ -113,8 +113,8 @@ def test_fused_layers_match_the_torch_layers_on_cuda(checkpoint, dtype, tol):
     runs = []
     for backend in ("triton", "torch"):
         worker = Worker(str(checkpoint), num_kv_blocks=64, block_size=16, device="cuda",
-                        dtype=dtype, attention_backend=backend, keep_logits=True,
-                        max_graph_batch=4)
+                        dtype=dtype, keep_logits=True,
+                        run=RunOptions(attention_backend=backend, max_graph_batch=4))
         assert worker.uses_fused_layers == (backend == "triton")
         driver = Driver(worker)
         for i, n in enumerate((3, 40, 77)):
