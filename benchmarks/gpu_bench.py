@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.jit_log import JitLog
 from benchmarks.policy_scene import plot_scene, run_scenes, scene_metrics
 from benchmarks.policy_workloads import SceneSpec, random_prompt
 from benchmarks.virtual_time import VirtualClock
@@ -610,6 +611,9 @@ def targets(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
         "fp32_greedy_equal": (None if parity is None else float(parity), ">=", 1.0),
         "kernels_per_decode_layer": (_get(report, "kernel_count", "fused", "per_layer"),
                                      "<=", 12),
+        # Kernels compiled while timed steps ran (benchmarks/jit_log.py): start-up holes.
+        "serving_compiles": (_get(report, "triton_compiles", "num_serving_compiles")
+                             if _get(report, "triton_compiles", "installed") else None, "<=", 0),
     }
     out = {}
     for name, (value, op, target) in rows.items():
@@ -773,6 +777,7 @@ def run(cfg: GpuBenchConfig, device: torch.device, work_dir: Path, png: Path | N
         else platform.processor() or platform.machine(),
         "versions": _versions(), "config": asdict(cfg), **(extra or {})}
     log = PhaseLog(out, report, budget_s)
+    jit = JitLog().install()  # every Triton compile, by phase (none should be in serving)
     st = BenchState()
     tag = f"{cfg.model.hidden_size}x{cfg.model.num_hidden_layers}-{cfg.dtype}-s{cfg.model.seed}"
     shares = report.setdefault("host_share", {})
@@ -864,10 +869,14 @@ def run(cfg: GpuBenchConfig, device: torch.device, work_dir: Path, png: Path | N
     ]
     try:
         for name, fn, needs in phases:
+            jit.phase = name
+            report["triton_compiles"] = jit.report()
             log.run(name, fn, needs)
     except BenchInterrupted as err:
+        report["triton_compiles"] = jit.report()
         log.mark_cut(err)
         raise
+    report["triton_compiles"] = jit.report()
     report["wall"] = {"total_s": time.perf_counter() - log.started}
     report["errors"] = log.errors
     log.write()

@@ -231,3 +231,27 @@ def test_sigterm_mid_run_leaves_every_finished_phase(tmp_path):
     assert all(phases[name]["status"] == "ok" for name in PHASES[: PHASES.index("parity")])
     assert phases["parity"]["status"] == "error" and "SIGTERM" in phases["parity"]["error"]
     assert report["smoke_decode"]["step_ms"] > 0  # a finished phase's figures survive
+
+
+def test_jit_log_records_each_compile_by_phase_as_triton_calls_its_hooks(quick_report):
+    """The hooks take Triton's keyword arguments (as its JIT calls them) and let the compile
+    go on; a compile in a timed phase counts as a serving compile. The CPU dry run compiles
+    nothing, so its report says so."""
+    from types import SimpleNamespace
+
+    from benchmarks.jit_log import JitLog
+
+    report, _, _ = quick_report
+    assert report["triton_compiles"]["num_serving_compiles"] == 0
+    assert report["targets"]["serving_compiles"]["value"] in (0, None)
+    log = JitLog()
+    for phase in ("worker", "scene"):
+        log.phase = phase
+        kwargs = {"key": (phase, 16), "repr": f"_kernel[num_warps=4]({phase})",
+                  "fn": SimpleNamespace(name="_kernel"), "compile": {},
+                  "is_manual_warmup": False, "already_compiled": False}
+        assert log._before(**kwargs) is False and log._after(**kwargs) is False
+    got = log.report()
+    assert got["by_phase"] == {"worker": 1, "scene": 1} and got["num_serving_compiles"] == 1
+    assert got["serving_compiles"][0]["kernel"] == "_kernel"
+    assert got["serving_compiles"][0]["compile_s"] >= 0
