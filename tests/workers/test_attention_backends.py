@@ -54,6 +54,25 @@ def test_metadata_pads_decode_steps_to_a_bucket():
         StepMetadata.build([SeqSpan(0, 2, 2, [1])], [1, 2], 16, HostStaging(CPU), pad_to=2)
 
 
+@pytest.mark.parametrize("num_tokens", [1, 2, 3, 7, 33])
+def test_metadata_views_start_16_byte_aligned_whatever_the_counts(num_tokens):
+    """Triton specialises a kernel on its pointers' alignment: views whose offsets followed
+    the step's token and sequence counts made steps of new shapes compile a kernel variant
+    mid-serving (on an H200: ~0.7 s a step). Every view starts 16 bytes from the upload's
+    start times a whole number, and holds only its own values."""
+    spans = [SeqSpan(0, 1, 20, [7, 3]), SeqSpan(1, num_tokens, num_tokens + 2, [9, 4, 5])]
+    extra = (np.arange(3, dtype=np.int64),)
+    meta = StepMetadata.build(spans, list(range(num_tokens + 1)), 16, HostStaging(CPU),
+                              logits_indices=[0, num_tokens], extra=extra)
+    views = [meta.input_ids, meta.positions, meta.slot_mapping, meta.query_start_loc,
+             meta.seq_lens, meta.block_table, meta.logits_indices, *meta.extra]
+    base = meta.input_ids.data_ptr()
+    assert all((v.data_ptr() - base) % 16 == 0 for v in views)
+    assert meta.input_ids.tolist() == list(range(num_tokens + 1))
+    assert meta.query_start_loc.tolist() == [0, 1, num_tokens + 1]
+    assert meta.logits_indices.tolist() == [0, num_tokens] and meta.extra[0].tolist() == [0, 1, 2]
+
+
 def test_metadata_rejects_short_block_lists():
     with pytest.raises(ValueError, match="needs 3 blocks"):
         StepMetadata.build([SeqSpan(0, 37, 37, [1])], list(range(37)), 16, HostStaging(CPU))
