@@ -76,6 +76,17 @@ class WorkerConfig:
         "Weights smaller than this (elements) are never packed."))
     cpu_packed_any_rows_elements: int = setting(1 << 20, ge=1, description=(
         "Weights of at least this many elements use the packed copy for any row count."))
+    cpu_fused_layers: bool = setting(True, description=(
+        "On a CPU fp32 worker whose C++ kernels build, the residual add + RMSNorm, rotary "
+        "and SiLU-and-mul run as one C++ pass each (workers/kernels/csrc/cpu_layers.cpp) "
+        "instead of 2-8 torch operators each; False keeps the operators (the reference). "
+        "Rotary is bit-equal, the norm's sum and SiLU's exp round within a few ulp."))
+    cpu_keep_freed_memory: bool = setting(True, description=(
+        "On a CPU worker, have glibc's allocator serve allocations up to 32 MiB from its "
+        "heap and keep freed memory instead of returning it to the system (mallopt), so a "
+        "step's large activations reuse mapped pages instead of faulting in fresh ones "
+        "(about a fifth of a 4,096-token prefill step on builtin:bench). The process's "
+        "memory then stays near its peak."))
     check_kv_provenance: bool = setting(False, description=(
         "Debugging: before every step the worker checks that each KV slot it attends over "
         "was computed from the same tokens (workers/kv_provenance.py) and fails the step "

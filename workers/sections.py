@@ -26,6 +26,8 @@ class RunOptions:
     cuda_graphs: bool = True
     max_graph_batch: int = 256
     packing: PackPolicy | None = PackPolicy()  # None: plain GEMMs only
+    fused_layers: bool = True  # CPU fp32: the C++ norm, rotary and SiLU-and-mul
+    keep_freed_memory: bool = True  # CPU: glibc keeps freed memory (workers/cpu_setup.py)
 
 
 class WorkerSection(Protocol):
@@ -46,6 +48,8 @@ class WorkerSection(Protocol):
     cpu_packed_min_rows: int
     cpu_packed_min_elements: int
     cpu_packed_any_rows_elements: int
+    cpu_fused_layers: bool
+    cpu_keep_freed_memory: bool
 
 
 class CacheSection(Protocol):

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from controller.messages import CachedRequestData, NewRequestData, StepPlan, StepResult
 from workers.attention import HostStaging, SeqSpan, StepMetadata, allocate_kv_cache, make_backend
+from workers.cpu_setup import prepare_cpu
 from workers.cuda_graphs import DecodeGraphs, Forward
 from workers.kv_provenance import KVProvenance
 from workers.loader import load_model, parse_dtype
@@ -53,7 +54,8 @@ def build_worker(section: WorkerSection, cache: CacheSection) -> Worker:
     worker = Worker(section.model, cache.num_kv_blocks, cache.block_size, dtype=section.dtype,
                     seed=section.seed, device=section.device, run=RunOptions(
                         section.num_threads, section.attention_backend, section.cuda_graphs,
-                        section.max_graph_batch, packing_policy(section)))
+                        section.max_graph_batch, packing_policy(section),
+                        section.cpu_fused_layers, section.cpu_keep_freed_memory))
     if section.check_kv_provenance:
         worker.kv_provenance = KVProvenance(cache.block_size)
     if section.telemetry:
@@ -98,8 +100,7 @@ class Worker(StepResults):
         self.dtype = parse_dtype(dtype)
         self.model_path = resolve_model(model)
         self.model, self._config = load_model(self.model_path, self.dtype, self.device)
-        if run.packing is not None:
-            self.model.pack_linears(run.packing)  # CPU fp32 or bf16; a no-op elsewhere
+        prepare_cpu(self.model, run, self.device, attention_backend)  # a no-op elsewhere
         self.num_kv_blocks, self.block_size = num_kv_blocks, block_size
         cfg = self._config
         self.kv_caches = allocate_kv_cache(

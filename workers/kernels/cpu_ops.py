@@ -24,7 +24,8 @@ from types import ModuleType
 
 log = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).parent / "csrc" / "cpu_attention.cpp",)
+SOURCES = (Path(__file__).parent / "csrc" / "cpu_attention.cpp",
+           Path(__file__).parent / "csrc" / "cpu_layers.cpp")
 
 
 def cpu_tag() -> str:
@@ -44,7 +45,9 @@ def cpu_tag() -> str:
 
 @functools.cache
 def cpu_ops() -> ModuleType | None:
-    """The compiled module (`decode_attention`), or None where it cannot be built."""
+    """The compiled module (attention: `decode_attention`, `chunk_attention`; the layers'
+    elementwise ops: `add_rms_norm`, `rotary_`, `silu_mul_`), or None where it cannot be
+    built."""
     if sys.platform != "linux":
         return None
     try:

@@ -8,6 +8,7 @@ flat batch, H = query heads, Hkv = KV heads, hd = head_dim, S = sampled rows.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -189,6 +190,9 @@ class LlamaForCausalLM(nn.Module):
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
+        # The C++ elementwise layers (workers/kernels/csrc/cpu_layers.cpp), set by a CPU fp32
+        # worker (workers/cpu_setup.py); None: torch's operators.
+        self.cpu_layers: Any = None
 
     def tie_weights(self) -> None:
         """Share the output projection with the embedding (call again after `assign` loads)."""
@@ -217,9 +221,35 @@ class LlamaForCausalLM(nn.Module):
         step's attention (`backend.prepare(meta)`), called by every layer."""
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary_emb(positions, x.dtype)  # [T, hd/2] each, shared by all layers
+        if self.cpu_layers is not None and x.dtype == torch.float32 and x.device.type == "cpu":
+            return self._forward_cpu_layers(x, cos, sin, attn, kv_caches)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv_cache, attn)
         return self.model.norm(x)
+
+    def _forward_cpu_layers(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionStep,
+                            kv_caches: list[KVCache]) -> Tensor:
+        """The same layers with their elementwise work in C++ passes: each residual add is
+        fused into the norm that follows it (the MLP's into the next layer's input norm,
+        the last into the final norm); rotary runs in place on qkv's q and k columns."""
+        ops, eps = self.cpu_layers, self.config.rms_norm_eps
+        delta: Tensor | None = None  # the MLP output not yet added to the residual x
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            attn_mod, mlp = layer.self_attn, layer.mlp
+            h = ops.add_rms_norm(x, delta, layer.input_layernorm.weight, eps)  # [T, hidden]
+            num_tokens, hd = h.shape[0], attn_mod.head_dim
+            num_qk_heads = attn_mod.num_heads + attn_mod.num_kv_heads
+            qkv = attn_mod.qkv_proj(h)  # [T, (H + 2 Hkv) hd]
+            ops.rotary_(qkv, cos, sin, num_qk_heads, hd)
+            q = qkv[:, : attn_mod.num_heads * hd].view(num_tokens, attn_mod.num_heads, hd)
+            k = qkv[:, attn_mod.num_heads * hd : num_qk_heads * hd].view(
+                num_tokens, attn_mod.num_kv_heads, hd)
+            v = qkv[:, num_qk_heads * hd :].view(num_tokens, attn_mod.num_kv_heads, hd)
+            o = attn.forward(q, k, v, kv_cache, attn_mod.scale)  # [T, H, hd]
+            h = ops.add_rms_norm(x, attn_mod.o_proj(o.view(num_tokens, -1)),
+                                 layer.post_attention_layernorm.weight, eps)
+            delta = mlp.down_proj(ops.silu_mul_(mlp.gate_proj(h), mlp.up_proj(h)))
+        return ops.add_rms_norm(x, delta, self.model.norm.weight, eps)
 
     def pack_linears(self, policy: PackPolicy | None = None) -> None:
         """Give the linear layers oneDNN-packed weights (CPU fp32 or bf16; see

@@ -388,7 +388,10 @@ torch::Tensor exp_nonpositive_op(torch::Tensor x) {
   return out;
 }
 
+void register_layer_ops(pybind11::module& m);  // cpu_layers.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  register_layer_ops(m);
   m.def("decode_attention", &decode_attention, "paged decode attention (CPU)");
   m.def("chunk_attention", &chunk_attention, "paged attention of one prefill chunk (CPU)");
   m.attr("chunk_attention_width") = kWidth;  // floats per register it was built for
