@@ -25,6 +25,7 @@ from types import ModuleType
 log = logging.getLogger(__name__)
 
 SOURCES = (Path(__file__).parent / "csrc" / "cpu_attention.cpp",
+           Path(__file__).parent / "csrc" / "cpu_decode.cpp",
            Path(__file__).parent / "csrc" / "cpu_layers.cpp")
 
 

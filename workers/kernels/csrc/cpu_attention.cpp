@@ -18,6 +18,12 @@
 #include <limits>
 #include <vector>
 
+bool decode_attention_fp32(const float* q, int64_t q_row_stride, const float* k_cache,
+                           const float* v_cache, const int64_t* block_table,
+                           const int64_t* seq_lens, float* out, int64_t num_seqs,
+                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                           int64_t block_size, int64_t table_width, float scale);  // cpu_decode.cpp
+
 namespace {
 
 // exp for x <= 0 (scores minus their max) in a form the compiler vectorizes (std::exp is a
@@ -145,6 +151,13 @@ void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
   TORCH_CHECK(table.size(0) == num_seqs && lens.size(0) == num_seqs, "one table row per seq");
   TORCH_CHECK(out.is_contiguous() && out.scalar_type() == q.scalar_type() &&
               out.sizes() == q.sizes(), "out must be a contiguous tensor shaped as q");
+  if (q.scalar_type() == at::kFloat &&
+      decode_attention_fp32(q.data_ptr<float>(), q.stride(0), k_cache.data_ptr<float>(),
+                            v_cache.data_ptr<float>(), table.data_ptr<int64_t>(),
+                            lens.data_ptr<int64_t>(), out.data_ptr<float>(), num_seqs,
+                            num_heads, num_kv_heads, head_dim, block_size, table.size(1),
+                            static_cast<float>(scale)))
+    return;  // the register-blocked path (cpu_decode.cpp)
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "decode_attention", [&] {
     decode_attention_impl<scalar_t>(
         q.data_ptr<scalar_t>(), q.stride(0), k_cache.data_ptr<scalar_t>(),
