@@ -186,10 +186,17 @@ def run_offline(model: str, rounds: int, vllm_python: str, log_dir: Path,
         order = list(engines)
         for r in range(rounds):
             for name in (order if r % 2 == 0 else order[::-1]):
+                others = [e.proc.pid for n, e in engines.items() if n != name]
+                waited = scene.settle(others)  # the other engines idle first
+                before = {n: scene.tree_cpu_s(e.proc.pid) for n, e in engines.items()}
                 result = engines[name].command(f"run {r}", "round")
+                result["settle_wait_s"] = waited
+                result["others_cpu_s"] = {n: scene.tree_cpu_s(e.proc.pid) - before[n]
+                                          for n, e in engines.items() if n != name}
                 per[name].append(result)
-                print(f"[offline {tag}] round {r} {name}: {result['tok_s']:.1f} tok/s",
-                      flush=True)
+                print(f"[offline {tag}] round {r} {name}: {result['tok_s']:.1f} tok/s "
+                      f"(others idle after {waited:.1f} s; their CPU during it "
+                      f"{result['others_cpu_s']})", flush=True)
         ref = per["vllm_compiled"][0]["first_output"] if "vllm_compiled" in per else None
         for name, results in per.items():
             out["engines"][name] = {
@@ -198,6 +205,10 @@ def run_offline(model: str, rounds: int, vllm_python: str, log_dir: Path,
                 "itl_slo_s": engines[name].ready.get("itl_slo_s"),
                 "tok_s": _stats([x["tok_s"] for x in results]),
                 "tok_s_rounds": [x["tok_s"] for x in results],
+                # Before each round the others were left to go idle (peer_scene.settle):
+                # the wait, and the CPU seconds they still used during the round.
+                "settle_wait_s_rounds": [x["settle_wait_s"] for x in results],
+                "others_cpu_s_rounds": [x["others_cpu_s"] for x in results],
                 "greedy_tokens_agreeing_with_vllm": (
                     _agreement(results[0]["first_output"], ref) if ref else None),
             }
@@ -270,6 +281,7 @@ def run_served(model: str, rounds: int, vllm_python: str, log_dir: Path,
         for r in range(rounds):
             for name in (order if r % 2 == 0 else order[::-1]):
                 other = servers[next(n for n in servers if n != name)]
+                scene.settle([other.proc.pid])  # the other server idle first
                 before = other.cpu_s()
                 server = servers[name]
                 result = asyncio.run(scene.run_scene(server.url, server.model or folder, vocab,
