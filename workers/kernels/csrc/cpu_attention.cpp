@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 bool decode_attention_fp32(const float* q, int64_t q_row_stride, const float* k_cache,
@@ -239,6 +240,7 @@ void chunk_attention_impl(const T* q, int64_t q_row_stride, const T* k_cache, co
   at::parallel_for(0, num_kv_heads * num_tiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(max_vectors * HD), acc(max_vectors * HD), kt(HD * kKeys),
         vt(kKeys * HD), p(max_vectors * kKeys), peak(max_vectors), total(max_vectors);
+    const float* vrows[kKeys];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t kv = item / num_tiles, r0 = (item % num_tiles) * kRows;
       const int64_t rows = std::min(kRows, n - r0);
@@ -256,20 +258,26 @@ void chunk_attention_impl(const T* q, int64_t q_row_stride, const T* k_cache, co
       const int64_t num_keys = first_pos + rows;  // keys the item's last row sees
       for (int64_t k0 = 0; k0 < num_keys; k0 += kKeys) {
         const int64_t tk = std::min(kKeys, num_keys - k0);
-        // The tile's keys transposed (kt[d][j]) and values (vt[j][d]), zero past tk.
-        for (int64_t j = 0; j < kKeys; ++j) {
+        // The tile's keys transposed (kt[d][j]), zero past tk; its value rows: fp32 read in
+        // place (vrows), other dtypes converted into vt. Keys walked block by block.
+        for (int64_t j = 0, b = k0 / block_size, o = k0 % block_size; j < kKeys; ++j) {
           if (j < tk) {
-            const int64_t key = k0 + j;
-            const int64_t slot = (table[key / block_size] * block_size + key % block_size) *
-                                 slot_stride + kv * HD;
+            const int64_t slot = (table[b] * block_size + o) * slot_stride + kv * HD;
             const T* krow = k_cache + slot;
-            const T* vrow = v_cache + slot;
-            for (int64_t d = 0; d < HD; ++d) {
-              kt[d * kKeys + j] = static_cast<float>(krow[d]);
-              vt[j * HD + d] = static_cast<float>(vrow[d]);
+            for (int64_t d = 0; d < HD; ++d) kt[d * kKeys + j] = static_cast<float>(krow[d]);
+            if constexpr (std::is_same_v<T, float>) {
+              vrows[j] = v_cache + slot;
+            } else {
+              const T* vrow = v_cache + slot;
+              for (int64_t d = 0; d < HD; ++d) vt[j * HD + d] = static_cast<float>(vrow[d]);
+              vrows[j] = vt.data() + j * HD;
+            }
+            if (++o == block_size) {
+              o = 0;
+              ++b;
             }
           } else {
-            for (int64_t d = 0; d < HD; ++d) kt[d * kKeys + j] = vt[j * HD + d] = 0.f;
+            for (int64_t d = 0; d < HD; ++d) kt[d * kKeys + j] = 0.f;
           }
         }
         for (int64_t x = 0; x < padded; x += kQueries) {
@@ -301,13 +309,20 @@ void chunk_attention_impl(const T* q, int64_t q_row_stride, const T* k_cache, co
             std::fill(px, px + kKeys, 0.f);
             continue;
           }
-          float tile_peak = px[0];
-          for (int64_t j = 1; j < limit; ++j) tile_peak = std::max(tile_peak, px[j]);
+          const vecf zero = {};
+          const veci lane = lanes();
+          const vecf neg_inf = zero - std::numeric_limits<float>::infinity();
+          vecf peaks = neg_inf;
+          for (int64_t c = 0; c < kKeyVecs; ++c) {
+            const veci in = lane + static_cast<int32_t>(c * kWidth) < static_cast<int32_t>(limit);
+            const vecf s = loadv(px + c * kWidth);
+            peaks = in && s > peaks ? s : peaks;
+          }
+          float tile_peak = peaks[0];
+          for (int64_t j = 1; j < kWidth; ++j) tile_peak = std::max(tile_peak, peaks[j]);
           const float new_peak = std::max(peak[x], tile_peak);
           const float rescale = exp_nonpositive(peak[x] - new_peak);
           peak[x] = new_peak;
-          const vecf zero = {};
-          const veci lane = lanes();
           vecf sums = zero;
           for (int64_t c = 0; c < kKeyVecs; ++c) {
             const veci in = lane + static_cast<int32_t>(c * kWidth) < static_cast<int32_t>(limit);
@@ -333,7 +348,7 @@ void chunk_attention_impl(const T* q, int64_t q_row_stride, const T* k_cache, co
             for (int64_t c = 0; c < HD / kWidth; ++c) o[b][c] = loadv(ax + b * HD + c * kWidth);
           const float* px = p.data() + x * kKeys;
           for (int64_t j = 0; j < tk; ++j) {
-            const float* v = vt.data() + j * HD;
+            const float* v = vrows[j];
             vecf vv[HD / kWidth];
 #pragma GCC unroll 8
             for (int64_t c = 0; c < HD / kWidth; ++c) vv[c] = loadv(v + c * kWidth);
