@@ -7,6 +7,7 @@ its own free ports (6379 may be taken); Serve's HTTP port is a free one found he
 
 from __future__ import annotations
 
+import random
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -47,10 +48,25 @@ class Cluster:
         return ray.get(self.controller.check_integrity.remote(), timeout=60)
 
 
+# Ports for servers a test starts: below the kernel's ephemeral range (32768-60999 by
+# default) and above Ray's worker ports (10002-19999), so that no socket Ray's processes
+# open while the server starts can take the port first. One did (an ephemeral port from
+# bind(0)): Serve then blocked the port for the ingress replica and every retry failed.
+TEST_PORTS = range(20000, 32000)
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port in TEST_PORTS that is free now (random, so parallel runs rarely collide)."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.choice(TEST_PORTS)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {TEST_PORTS}")
 
 
 @pytest.fixture(scope="session")
