@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 SOURCES = (Path(__file__).parent / "csrc" / "cpu_attention.cpp",
            Path(__file__).parent / "csrc" / "cpu_decode.cpp",
            Path(__file__).parent / "csrc" / "cpu_layers.cpp")
+# Included by the sources; copied beside their copies (ninja's depfiles rebuild on a change).
+HEADERS = (Path(__file__).parent / "csrc" / "cpu_vec.h",)
 
 
 def cpu_tag() -> str:
@@ -63,6 +65,8 @@ def cpu_ops() -> ModuleType | None:
         with open(build_dir / "build.flock", "w") as held:
             fcntl.flock(held, fcntl.LOCK_EX)
             (build_dir / "lock").unlink(missing_ok=True)
+            for header in HEADERS:
+                _stable_copy(header, build_dir)
             sources = [_stable_copy(source, build_dir) for source in SOURCES]
             return load(name=f"tokenflow_cpu_ops_{tag}", sources=[str(s) for s in sources],
                         extra_cflags=["-O3", "-march=native", "-fopenmp"],

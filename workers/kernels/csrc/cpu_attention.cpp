@@ -19,6 +19,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_vec.h"
+
 bool decode_attention_fp32(const float* q, int64_t q_row_stride, const float* k_cache,
                            const float* v_cache, const int64_t* block_table,
                            const int64_t* seq_lens, float* out, int64_t num_seqs,
@@ -26,33 +28,6 @@ bool decode_attention_fp32(const float* q, int64_t q_row_stride, const float* k_
                            int64_t block_size, int64_t table_width, float scale);  // cpu_decode.cpp
 
 namespace {
-
-// exp for x <= 0 (scores minus their max) in a form the compiler vectorizes (std::exp is a
-// scalar libm call per element: it was most of the kernel's time). Cephes' expf: x = n ln2 + r,
-// |r| <= ln2 / 2, a degree-6 polynomial for e^r, 2^n from the exponent bits; ~1 ulp over
-// [-87, 0] (tested against torch.exp). Below -87 it returns ~e^-87, which is 0 in any sum here.
-// e^r for |r| <= ln2 / 2, on one float or on a register of them (chunk_attention's).
-template <typename V>
-inline V exp_reduced(V r) {
-  V p = V{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  return p * r * r + r + 1.0f;
-}
-
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  const float y = exp_reduced(r);
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return y * scale;
-}
 
 template <typename T>
 void decode_attention_impl(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache,
@@ -108,7 +83,7 @@ void decode_attention_impl(const T* q, int64_t q_row_stride, const T* k_cache, c
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t j = 0; j < n; ++j) {
-          row[j] = exp_nonpositive(row[j] - peak);
+          row[j] = exp_clamped(row[j] - peak);
           sum += row[j];
         }
         const float inv = 1.f / sum;
@@ -181,48 +156,23 @@ void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
 // what its 32 registers hold; with AVX2's 16 registers, 8 accumulators each.
 // torch's SDPA reached about a third of this CPU's GEMM rate on these shapes.
 #if defined(__AVX512F__)
-constexpr int64_t kWidth = 16;  // floats per register
 constexpr int64_t kQueries = 8;  // query vectors per block of the score product
 constexpr int64_t kValueFloats = 256;  // accumulated floats per block of p @ V
 #elif defined(__AVX__)
-constexpr int64_t kWidth = 8;
 constexpr int64_t kQueries = 2;
 constexpr int64_t kValueFloats = 64;
 #else
-constexpr int64_t kWidth = 4;
 constexpr int64_t kQueries = 2;
 constexpr int64_t kValueFloats = 32;
 #endif
-typedef float vecf __attribute__((vector_size(kWidth * 4)));
-typedef int32_t veci __attribute__((vector_size(kWidth * 4)));
 constexpr int64_t kRows = 32;  // query rows per item
 constexpr int64_t kKeys = 32;  // keys per tile
 constexpr int64_t kKeyVecs = kKeys / kWidth;
 
-inline vecf loadv(const float* p) {
-  vecf v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline void storev(float* p, vecf v) { std::memcpy(p, &v, sizeof(v)); }
 inline veci lanes() {
   veci v;
   for (int32_t i = 0; i < kWidth; ++i) v[i] = i;
   return v;
-}
-
-// exp_nonpositive on a register of lanes (a scalar call per score was half the kernel's
-// time): the same polynomial, n = x log2(e) rounded to nearest by the 1.5 * 2^23 trick.
-inline vecf expv_nonpositive(vecf x) {
-  const vecf zero = {};
-  x = x > -87.0f + zero ? x : -87.0f + zero;
-  const vecf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const vecf r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  const vecf y = exp_reduced(r);
-  const veci bits = (__builtin_convertvector(n, veci) + 127) << 23;
-  vecf scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return y * scale;
 }
 
 template <typename T, int64_t HD>
@@ -321,12 +271,12 @@ void chunk_attention_impl(const T* q, int64_t q_row_stride, const T* k_cache, co
           float tile_peak = peaks[0];
           for (int64_t j = 1; j < kWidth; ++j) tile_peak = std::max(tile_peak, peaks[j]);
           const float new_peak = std::max(peak[x], tile_peak);
-          const float rescale = exp_nonpositive(peak[x] - new_peak);
+          const float rescale = exp_clamped(peak[x] - new_peak);
           peak[x] = new_peak;
           vecf sums = zero;
           for (int64_t c = 0; c < kKeyVecs; ++c) {
             const veci in = lane + static_cast<int32_t>(c * kWidth) < static_cast<int32_t>(limit);
-            const vecf w = in ? expv_nonpositive(loadv(px + c * kWidth) - new_peak) : zero;
+            const vecf w = in ? expv_clamped<true>(loadv(px + c * kWidth) - new_peak) : zero;
             storev(px + c * kWidth, w);
             sums += w;
           }
@@ -407,12 +357,12 @@ void chunk_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
 
 }  // namespace
 
-torch::Tensor exp_nonpositive_op(torch::Tensor x) {
+torch::Tensor exp_clamped_op(torch::Tensor x) {
   auto in = x.contiguous().to(at::kFloat);
   auto out = torch::empty_like(in);
   const float* src = in.data_ptr<float>();
   float* dst = out.data_ptr<float>();
-  for (int64_t i = 0; i < in.numel(); ++i) dst[i] = exp_nonpositive(src[i]);
+  for (int64_t i = 0; i < in.numel(); ++i) dst[i] = exp_clamped(src[i]);
   return out;
 }
 
@@ -423,5 +373,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention (CPU)");
   m.def("chunk_attention", &chunk_attention, "paged attention of one prefill chunk (CPU)");
   m.attr("chunk_attention_width") = kWidth;  // floats per register it was built for
-  m.def("exp_nonpositive", &exp_nonpositive_op, "the kernel's exp, for its test");
+  m.def("exp_clamped", &exp_clamped_op, "the kernels' exp (cpu_vec.h), for its test");
 }

@@ -15,48 +15,16 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cpu_vec.h"
+
 namespace {
 
 // Rows per task: enough elements that a thread's share is worth its wake-up (a decode step's
 // 8 rows run on the calling thread).
 int64_t grain_rows(int64_t width) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(width, 1)); }
 
-#if defined(__AVX512F__)
-constexpr int64_t kLanes = 16;
-#elif defined(__AVX__)
-constexpr int64_t kLanes = 8;
-#else
-constexpr int64_t kLanes = 4;
-#endif
-typedef float vfloat __attribute__((vector_size(kLanes * 4)));
-typedef int32_t vint __attribute__((vector_size(kLanes * 4)));
-
-// e^x, x clamped to [-87, 88], on a register of lanes (a scalar loop with floor and the
-// exponent bits did not vectorize: 9x slower than torch): x = n ln2 + r with n rounded to
-// nearest (|r| <= ln2 / 2), a degree-6 polynomial for e^r, 2^n from the exponent bits
-// (Cephes' expf).
-inline vfloat exp_clamped(vfloat x) {
-  const vfloat lo = vfloat{} - 87.0f, hi = vfloat{} + 88.0f;
-  x = x < lo ? lo : x;
-  x = x > hi ? hi : x;
-  const vfloat magic = vfloat{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const vfloat n = (x * 1.44269504088896341f + magic) - magic;
-  const vfloat r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  vfloat p = vfloat{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const vfloat y = p * r * r + r + 1.0f;
-  const vint bits = (__builtin_convertvector(n, vint) + 127) << 23;
-  vfloat scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return y * scale;
-}
-
-inline vfloat silu_times(vfloat g, vfloat u) {
-  const vfloat silu = g / (1.0f + exp_clamped(-g));
+inline vecf silu_times(vecf g, vecf u) {
+  const vecf silu = g / (1.0f + expv_clamped(-g));
   return silu * u;
 }
 
@@ -160,15 +128,15 @@ torch::Tensor silu_mul_(torch::Tensor gate, torch::Tensor up) {
       float* gr = g + r * g_stride;
       const float* ur = u + r * u_stride;
       int64_t i = 0;
-      for (; i + kLanes <= n; i += kLanes) {
-        vfloat gv, uv;
+      for (; i + kWidth <= n; i += kWidth) {
+        vecf gv, uv;
         std::memcpy(&gv, gr + i, sizeof(gv));
         std::memcpy(&uv, ur + i, sizeof(uv));
         gv = silu_times(gv, uv);
         std::memcpy(gr + i, &gv, sizeof(gv));
       }
       if (i < n) {  // the tail, through one zero-padded register
-        vfloat gv{}, uv{};
+        vecf gv{}, uv{};
         std::memcpy(&gv, gr + i, (n - i) * sizeof(float));
         std::memcpy(&uv, ur + i, (n - i) * sizeof(float));
         gv = silu_times(gv, uv);

@@ -1,0 +1,70 @@
+// What the CPU kernels share (cpu_attention.cpp, cpu_decode.cpp, cpu_layers.cpp): GCC vector
+// types as wide as the build's registers (-march=native; a type wider than them compiles to
+// code 15x slower) and one exp.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__)
+constexpr int64_t kWidth = 16;  // floats per register
+#elif defined(__AVX__)
+constexpr int64_t kWidth = 8;
+#else
+constexpr int64_t kWidth = 4;
+#endif
+typedef float vecf __attribute__((vector_size(kWidth * 4)));
+typedef int32_t veci __attribute__((vector_size(kWidth * 4)));
+
+inline vecf loadv(const float* p) {
+  vecf v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void storev(float* p, vecf v) { std::memcpy(p, &v, sizeof(v)); }
+
+// Cephes' expf, in a form the compiler vectorizes (std::exp is a scalar libm call per element:
+// it was most of the attention kernels' time): x = n ln2 + r, |r| <= ln2 / 2, a degree-6
+// polynomial for e^r, 2^n from the exponent bits; ~1 ulp over [-87, 88] (tested against
+// torch.exp). x is clamped there: below -87 it gives ~e^-87, which is 0 in any sum here.
+// e^r for |r| <= ln2 / 2, on one float or on a register of them.
+template <typename V>
+inline V exp_reduced(V r) {
+  V p = V{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  return p * r * r + r + 1.0f;
+}
+
+inline float exp_clamped(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  const float y = exp_reduced(r);
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return y * scale;
+}
+
+// The same on a register; n = x log2(e) rounded to nearest by the 1.5 * 2^23 trick.
+// kNonPositive: the caller's x <= 0 (scores minus their max), so no upper clamp in the
+// attention kernels' inner loop (it cost them ~10 % at 136-row chunks).
+template <bool kNonPositive = false>
+inline vecf expv_clamped(vecf x) {
+  const vecf lo = vecf{} - 87.0f, hi = vecf{} + 88.0f;
+  x = x < lo ? lo : x;
+  if constexpr (!kNonPositive) x = x > hi ? hi : x;
+  const vecf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  const vecf r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  const vecf y = exp_reduced(r);
+  const veci bits = (__builtin_convertvector(n, veci) + 127) << 23;
+  vecf scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return y * scale;
+}
