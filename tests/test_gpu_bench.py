@@ -255,3 +255,28 @@ def test_jit_log_records_each_compile_by_phase_as_triton_calls_its_hooks(quick_r
     assert got["by_phase"] == {"worker": 1, "scene": 1} and got["num_serving_compiles"] == 1
     assert got["serving_compiles"][0]["kernel"] == "_kernel"
     assert got["serving_compiles"][0]["compile_s"] >= 0
+
+
+def test_gpu_tune_dry_run_times_every_config_and_ranks_only_correct_ones(tmp_path):
+    """benchmarks/gpu_tune.py (the attention launch-size sweep for a GPU call) under the Triton
+    interpreter, with the same import blocker as the device check."""
+    log, site = tmp_path / "blocked.txt", tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE.format(blocked=BLOCKED, log=str(log)))
+    out = tmp_path / "gpu_tune.json"
+    code = ("from tests.workers.attention_cases import fix_interpreter_scalars; "
+            "fix_interpreter_scalars(); from benchmarks.gpu_tune import main; "
+            f"main(['--quick', '--device', 'cpu', '--reps', '2', '--out', {str(out)!r}])")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{site}:{ROOT}"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert not log.exists(), log.read_text()
+    report = json.loads(out.read_text())
+    assert set(report["shapes"]) == {"chunk", "decode"}
+    for shape in report["shapes"].values():
+        assert len(shape["configs"]) == 2
+        for row in shape["configs"]:
+            assert row["correct"] and row["max_abs_diff"] <= 1e-4 and _finite(row["ms"])
+        assert shape["best"] in shape["configs"] and _finite(shape["default_ms"])
+        assert shape["speedup_vs_default"] >= 1.0
