@@ -47,6 +47,14 @@ def worker_resources(opts: ControllerOptions, use_gpu: bool) -> dict[str, Any]:
     return resources
 
 
+def worker_max_concurrency(opts: ControllerOptions, use_gpu: bool, class_max: int) -> int:
+    """A worker actor's Ray `max_concurrency`: its class's own (`MAX_CONCURRENCY`, the running
+    step and the next call) where it overlaps calls (`cluster.worker_overlap_calls`; None: GPU
+    workers only), else one call at a time. Steps keep their order either way (StepGate)."""
+    overlap = opts.cluster.worker_overlap_calls
+    return class_max if (use_gpu if overlap is None else overlap) else 1
+
+
 def spawn_worker(opts: ControllerOptions, index: int, is_detached: bool = True) -> Any:
     """The worker actor named `worker_name(index)`: created, or the running one."""
     module, _, name = opts.worker_cls.partition(":")
@@ -57,7 +65,7 @@ def spawn_worker(opts: ControllerOptions, index: int, is_detached: bool = True) 
     return ray.remote(actor_cls).options(
         name=worker_name(index), namespace=opts.cluster.namespace, get_if_exists=True,
         lifetime="detached" if is_detached else None, max_restarts=opts.cluster.worker_max_restarts,
-        max_concurrency=actor_cls.MAX_CONCURRENCY,
+        max_concurrency=worker_max_concurrency(opts, use_gpu, actor_cls.MAX_CONCURRENCY),
         # Spread: a lost node takes the fewest workers with it.
         scheduling_strategy="SPREAD", **worker_resources(opts, use_gpu)).remote(
         dataclasses.replace(opts.worker, device="cuda" if use_gpu else "cpu"), opts.cache)

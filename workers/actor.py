@@ -3,10 +3,11 @@
 The controller wraps this class with `ray.remote` (found through
 `ControllerOptions.worker_cls`) and creates one per GPU (`num_gpus=1`) or `num_workers` of
 them on CPU with a fractional CPU reservation (`worker_num_cpus`), then drives each with its
-own step loop: one `execute` call per step. The actor takes two calls at once
-(`WORKER_MAX_CONCURRENCY`), so that Ray receives the next step while one runs, but its
-`StepGate` runs steps strictly one at a time and in the order sent (each plan is a diff on
-the previous one); every other call that touches the worker's state waits its turn too.
+own step loop: one `execute` call per step. A GPU worker takes two calls at once
+(`WORKER_MAX_CONCURRENCY`), so that Ray receives the next step while one runs; a CPU worker
+one (`cluster.worker_overlap_calls`). Its `StepGate` runs steps strictly one at a time and
+in the order sent (each plan is a diff on the previous one); every other call that touches
+the worker's state waits its turn too.
 """
 
 from __future__ import annotations
