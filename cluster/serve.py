@@ -127,8 +127,11 @@ def enable_direct_ingress(host: str, port: int) -> int:
     30 s nor leaves the port unused for 150 s after a crash, waits Serve keeps for a load
     balancer (none is in front). Returns a free port for
     Serve's proxy, which still starts on the head node. Raises OSError when `port` is
-    taken: the replica would fail to bind it over and over."""
+    taken: the replica would fail to bind it over and over. Connections of a server that
+    just stopped, left in TIME_WAIT, do not count: the replica's server binds with
+    SO_REUSEADDR, and so does the probe."""
     with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         probe.bind((host, port))
     with socket.socket() as probe:
         probe.bind((host, 0))
