@@ -5,8 +5,8 @@ of a call, done on the actor's side, overlaps the step before it: while step n r
 receives and decodes step n+1 (sent ahead by the controller's async scheduling) on a
 second thread, and step n's reply is encoded and sent while n+1 already runs. Without it
 those costs sit between two steps, serial with the device. A CPU worker takes one call at
-a time (`max_concurrency`): there the overlap takes a core from the step's own threads.
-The gate holds either way.
+a time (`cluster.worker_overlap_calls`): there the overlap takes a core from the step's own
+threads. The gate holds either way.
 
 Each plan is a diff on the one before, so the gate restores the order: the sender numbers
 its calls (`seq` 0, 1, 2, ...) under a name of its own (`sender`, new for every transport:
@@ -33,7 +33,6 @@ from contextlib import contextmanager
 # Ray's `max_concurrency` of a worker actor that overlaps calls: the running step and the
 # next one (`cluster.worker_overlap_calls`; a worker that does not takes one call at a time).
 WORKER_MAX_CONCURRENCY = 2
-
 
 
 class RetiredSenderError(RuntimeError):
