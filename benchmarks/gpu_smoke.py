@@ -31,9 +31,13 @@ TOLERANCE = {torch.float32: (1e-4, 1e-4), torch.float16: (5e-3, 5e-3),
 DTYPES = (torch.float32, torch.bfloat16)
 
 
-def _case(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+def random_step(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
           dtype: torch.dtype, device: torch.device, seed: int = 0,
           shape: list[tuple[int, int]] = SHAPE) -> dict[str, Any]:
+    """A random paged step: `shape` is (num_computed, num_query_tokens) per sequence in the
+    worker's order; blocks a random permutation of the pool; the metadata built as the
+    worker builds it. Returns spans, meta, qkv [T, (H + 2 Hkv) hd] and the caches (random
+    K/V in every slot, i.e. every computed token)."""
     gen = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
     blocks_per_seq = [-(-(done + n) // block_size) for done, n in shape]
@@ -104,7 +108,7 @@ def check_attention(num_heads: int, num_kv_heads: int, head_dim: int, block_size
                     shape: list[tuple[int, int]] = SHAPE) -> dict[str, Any]:
     """The Triton attention backend against the torch one (`triton`), else the torch one
     against a float64 reference."""
-    case = _case(num_heads, num_kv_heads, head_dim, block_size, dtype, device, shape=shape)
+    case = random_step(num_heads, num_kv_heads, head_dim, block_size, dtype, device, shape=shape)
     q, k, v = _split(case["qkv"], num_heads, num_kv_heads, head_dim)
     scale = head_dim**-0.5
 
@@ -161,7 +165,8 @@ def check_fused(hidden: int, inter: int, num_heads: int, num_kv_heads: int, head
         want = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
         result["silu_mul_max_err"] = _err(fused.silu_mul(gate_up), want, dtype, failures,
                                           "silu_mul")
-        case = _case(num_heads, num_kv_heads, head_dim, 16, dtype, device, seed=2, shape=shape)
+        case = random_step(num_heads, num_kv_heads, head_dim, 16, dtype, device, seed=2,
+                           shape=shape)
         meta = case["meta"]
         inv_freq = 1.0 / 10000.0 ** (torch.arange(0, head_dim, 2, device=device).float()
                                      / head_dim)

@@ -25,10 +25,12 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from benchmarks.gpu_smoke import random_step
 from workers.attention import triton_kernels as kernels
 from workers.attention.triton_backend import LaunchConfig, default_configs
 
@@ -60,46 +62,31 @@ def grid(kind: str, quick: bool) -> list[LaunchConfig]:
 
 
 def make_inputs(shape: Shape, heads: tuple[int, int, int], block_size: int, dtype: torch.dtype,
-                device: torch.device) -> dict[str, object]:
+                device: torch.device) -> dict[str, Any]:
+    """The GPU bench's random paged step (benchmarks/gpu_smoke.py) at this shape, with the
+    attention FLOPs its queries cost (causal: a query attends to the keys up to its own)."""
     num_heads, num_kv_heads, head_dim = heads
-    gen = torch.Generator().manual_seed(0)
-    seq_lens = [c + q for c, q in zip(shape.num_computed, shape.num_query, strict=True)]
-    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
-    num_blocks = sum(blocks_per_seq) + 1
-    perm = torch.randperm(num_blocks, generator=gen)  # neighbours in a table are not in memory
-    table = torch.zeros((len(seq_lens), max(blocks_per_seq)), dtype=torch.int32)
-    used = 0
-    for i, n in enumerate(blocks_per_seq):
-        table[i, :n] = perm[used:used + n]
-        used += n
-    num_tokens = sum(shape.num_query)
-    starts = torch.tensor([0, *itertools.accumulate(shape.num_query)], dtype=torch.int32)
-    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    return dict(
-        q=torch.randn((num_tokens, num_heads, head_dim), generator=gen).to(device, dtype),
-        k_cache=torch.randn(cache_shape, generator=gen).to(device, dtype),
-        v_cache=torch.randn(cache_shape, generator=gen).to(device, dtype),
-        query_start_loc=starts.to(device), seq_lens=torch.tensor(seq_lens, dtype=torch.int32,
-                                                                 device=device),
-        block_table=table.to(device), num_seqs=len(seq_lens), num_tokens=num_tokens,
-        flops=sum(4 * q * (c + (q + 1) / 2) * num_heads * head_dim
-                  for c, q in zip(shape.num_computed, shape.num_query, strict=True)),
-    )
+    step = random_step(num_heads, num_kv_heads, head_dim, block_size, dtype, device,
+                       shape=list(zip(shape.num_computed, shape.num_query, strict=True)))
+    # Contiguous, as the fused layer's rotary hands q to the kernel.
+    q = step["qkv"][:, : num_heads * head_dim].reshape(-1, num_heads, head_dim).contiguous()
+    flops = sum(4 * n * (done + (n + 1) / 2) * num_heads * head_dim
+                for done, n in zip(shape.num_computed, shape.num_query, strict=True))
+    return {**step, "q": q, "flops": flops}
 
 
-def launch(inputs: dict, cfg: LaunchConfig) -> Tensor:
-    q = inputs["q"]
+def launch(inputs: dict[str, Any], cfg: LaunchConfig) -> Tensor:
+    q, meta = inputs["q"], inputs["meta"]
     out = torch.empty_like(q)
     kernels.unified_attention(
-        q, inputs["k_cache"], inputs["v_cache"], out, inputs["query_start_loc"],
-        inputs["seq_lens"], inputs["block_table"], q.shape[2] ** -0.5,
-        seq_begin=0, num_seqs=inputs["num_seqs"], num_tokens=inputs["num_tokens"],
-        block_m=cfg.block_m, tile_n=cfg.tile_n, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        q, inputs["k_cache"], inputs["v_cache"], out, meta.query_start_loc, meta.seq_lens,
+        meta.block_table, q.shape[2] ** -0.5, seq_begin=0, num_seqs=meta.num_seqs,
+        num_tokens=meta.num_tokens, block_m=cfg.block_m, tile_n=cfg.tile_n,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 
-def time_ms(inputs: dict, cfg: LaunchConfig, reps: int, device: torch.device) -> float:
+def time_ms(inputs: dict[str, Any], cfg: LaunchConfig, reps: int, device: torch.device) -> float:
     launch(inputs, cfg)  # compile and warm
     samples = []
     for _ in range(reps):
