@@ -167,8 +167,9 @@ class ControllerActor:
         transport = slot_transport(self.options, index, handle, info)
         await transport.reopen(handle, info.incarnation)
         # From here to `start`, nothing awaits: the index is still the next one.
-        assert core.add_worker(PoolSpec(info.num_kv_blocks, info.block_size,
-                                        self.options.cache.enable_prefix_caching)) == index
+        assert core.add_worker(PoolSpec(
+            info.num_kv_blocks, info.block_size, self.options.cache.enable_prefix_caching,
+            self.options.scheduler.max_decode_steps(info.device))) == index
         slot = self._make_slot(index, handle, info, transport)
         self.slots.append(slot)
         slot.start()

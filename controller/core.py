@@ -101,14 +101,15 @@ class ControllerCore(Routing, Stepping):
         # The protections and the step deadline price chunks by the calibrated model,
         # else by a fixed cost per token; the scheduler sizes chunks only by a calibrated one.
         chunk_cost = step_cost or StepCost.per_token(protection_config.seconds_per_token)
+        scheduler = self._scheduler_cls(
+            scheduler_config, KVCacheManager(BlockPool(pool.num_blocks, pool.block_size,
+                                                       pool.enable_prefix_caching)),
+            clock=self.clock, arrivals=self._arrivals, step_cost=step_cost,
+            itl_slo_s=options.itl_slo_s, depth_stretch=options.depth_stretch,
+            chunk_efficiency=options.chunk_efficiency)
+        scheduler.max_decode_steps = pool.max_decode_steps
         return WorkerState(
-            self._scheduler_cls(scheduler_config,
-                                KVCacheManager(BlockPool(pool.num_blocks, pool.block_size,
-                                                         pool.enable_prefix_caching)),
-                                clock=self.clock, arrivals=self._arrivals, step_cost=step_cost,
-                                itl_slo_s=options.itl_slo_s,
-                                depth_stretch=options.depth_stretch,
-                                chunk_efficiency=options.chunk_efficiency),
+            scheduler,
             FlowControl(options.flow, scheduler_config.max_concurrent_chunks),
             Protections(protection_config, chunk_cost), step_cost=step_cost,
             refit=None if step_cost is None else OnlineRefit(protection_config, options.slo))
@@ -125,9 +126,10 @@ class ControllerCore(Routing, Stepping):
         """The one way a core is built outside tests (the controller actor, `LocalEngine`,
         the benchmarks): a pool per worker as it reports it, the model's limits from the
         first (every worker runs the same model), the configured max_model_len capped by
-        the model's."""
+        the model's; decode bursts by each worker's device (one without one: none)."""
         first = workers[0]
-        pools = [PoolSpec(w.num_kv_blocks, w.block_size, options.cache.enable_prefix_caching)
+        pools = [PoolSpec(w.num_kv_blocks, w.block_size, options.cache.enable_prefix_caching,
+                          options.scheduler.max_decode_steps(str(getattr(w, "device", ""))))
                  for w in workers]
         max_model_len = min([options.worker.max_model_len, *(w.max_model_len for w in workers)])
         return cls(pools, options, ModelFacts(tuple(first.eos_token_ids), max_model_len,

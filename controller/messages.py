@@ -101,6 +101,10 @@ class StepPlan:
     # KV defragmentation: copy block src's rows to dst and rename src -> dst in every block
     # table, after dropping finished requests and before anything else (kvcache/defrag.py).
     block_moves: dict[int, int] = field(default_factory=dict)
+    # A decode burst (> 1): decode-only, every request 1 token, run this many times in a
+    # row, each time on the token the one before sampled; the controller allocated the
+    # blocks for all of them and drops what follows a stop (controller/scheduler.py).
+    num_steps: int = 1
 
     @property
     def is_empty(self) -> bool:

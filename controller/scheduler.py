@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator
 from controller.budget import StepCost
 from controller.choices import waits_for_shared_prompt
 from controller.chunk_size import DepthStretch, StepSpan
+from controller.decode_burst import burst_len
 from controller.messages import CachedRequestData, CacheEvict, NewRequestData, StepPlan
 from controller.request import Request, RequestOutput, RequestStatus
 from controller.scheduler_config import SchedulerConfig, SchedulerStats, StepLimits, StepShape
@@ -50,6 +51,7 @@ class Scheduler(SchedulerResults):
                  step_cost: StepCost | None = None, itl_slo_s: float | None = None,
                  depth_stretch: float = 1.0, chunk_efficiency: float = 1.0):
         self.config = config
+        self.max_decode_steps = 1  # decode bursts (controller/decode_burst.py); core sets it
         # Both set: chunks are sized by predicted step time (the core swaps in a refit).
         self.step_cost = step_cost
         self.itl_slo_s = itl_slo_s
@@ -160,7 +162,8 @@ class Scheduler(SchedulerResults):
         shape = self.last_shape = self._shapes[plan.step_id] = StepShape(plan.step_id)
         self._may_preempt = limits.may_preempt
 
-        # 1: decodes, 1 token each, before any prefill.
+        # 1: decodes, 1 token each, before any prefill; a burst when nothing else can run.
+        plan.num_steps = shape.num_steps = steps = burst_len(self, limits)
         for request in [r for r in self.running if r.is_decoding]:
             if budget == 0:
                 break
@@ -168,7 +171,7 @@ class Scheduler(SchedulerResults):
                 continue  # preempted as a victim earlier in this loop
             if request.is_done_when_pending_land:
                 continue  # a step in flight samples its last token
-            if self._allocate_or_preempt(request, 1, scheduled):
+            if self._allocate_or_preempt(request, steps, scheduled):
                 scheduled[request.request_id] = 1
                 budget -= 1
                 self.tenant_stats.add(request.tenant, 1, is_prefill=False)
@@ -199,9 +202,8 @@ class Scheduler(SchedulerResults):
 
     def _maybe_defrag(self, step_id: int) -> dict[int, int]:
         cfg = self.config
-        if cfg.defrag_threshold is None or step_id % cfg.defrag_every_steps:
-            return {}
-        if fragmentation(self.kv.pool) <= cfg.defrag_threshold:
+        if (cfg.defrag_threshold is None or step_id % cfg.defrag_every_steps
+                or fragmentation(self.kv.pool) <= cfg.defrag_threshold):
             return {}
         moves = plan_compaction(self.kv, cfg.defrag_max_moves)
         self.stats.num_defrag_moves += len(moves)
@@ -209,10 +211,8 @@ class Scheduler(SchedulerResults):
 
     @property
     def long_threshold(self) -> int:
-        cfg = self.config
-        if cfg.long_prefill_token_threshold is not None:
-            return cfg.long_prefill_token_threshold
-        return cfg.max_num_batched_tokens
+        threshold = self.config.long_prefill_token_threshold
+        return self.config.max_num_batched_tokens if threshold is None else threshold
 
     def is_long(self, request: Request) -> bool:
         """By its whole length, so a long prompt's tail stays long (and counted)."""
@@ -434,14 +434,14 @@ class Scheduler(SchedulerResults):
                 # itself. A decode inside its last block sends nothing but its span.
                 plan.cached_requests.append(CachedRequestData(
                     request_id, block_ids[known[0]:], request.num_computed_tokens))
-            self._worker_known[request_id] = (len(block_ids),
-                                              request.num_computed_tokens + num_new)
-            plan.num_scheduled_tokens[request_id] = num_new
             # Planned is as good as computed for the next plan (steps run in order on the
-            # worker); a step that computes every token so far samples one more.
-            request.num_computed_tokens += num_new
-            if request.num_tokens_to_compute == 0:
-                request.num_pending_outputs += 1
+            # worker); a step that computes every token so far samples one more, a burst
+            # (its 1-token spans run num_steps times) num_steps more.
+            request.num_computed_tokens += num_new * plan.num_steps
+            self._worker_known[request_id] = (len(block_ids), request.num_computed_tokens)
+            plan.num_scheduled_tokens[request_id] = num_new
+            if request.num_tokens_to_compute <= 0:
+                request.num_pending_outputs += plan.num_steps
         plan.total_num_scheduled_tokens = sum(scheduled.values())
         assert plan.total_num_scheduled_tokens <= self._max_plan_tokens(plan)
 

@@ -34,12 +34,13 @@ class SchedulerResults:
                     *(depth + num for num, depth in shape.chunks.values())])
 
     def predicted_step_s(self, step_id: int) -> float | None:
-        """The cost model's time of a planned step (None without a model or a shape)."""
+        """The cost model's time of a planned step, a burst's steps together (None without
+        a model or a shape)."""
         shape = self._shapes.get(step_id)
         if self.step_cost is None or shape is None:
             return None
-        return self.step_cost.step_s(list(shape.chunks.values()), shape.num_decodes,
-                                     shape.decode_context)
+        return shape.num_steps * self.step_cost.step_s(
+            list(shape.chunks.values()), shape.num_decodes, shape.decode_context)
 
     def pop_shape(self, step_id: int) -> StepShape | None:
         """The shape of a step whose result is in (None for a baseline policy's step)."""
@@ -58,12 +59,15 @@ class SchedulerResults:
             if is_prefill:
                 self.stats.num_prefill_tokens += num_new
             else:
-                self.stats.num_decode_tokens += num_new
+                self.stats.num_decode_tokens += num_new * plan.num_steps
             sampled = result.sampled_token_ids.get(request_id, [])
             # A sample only exists where the plan counted one pending.
             assert len(sampled) <= request.num_pending_outputs
             request.num_pending_outputs -= len(sampled)
-            request.output_token_ids.extend(sampled)
+            if len(sampled) > 1:  # a decode burst: what follows a stop is dropped
+                sampled = self._until_stop(request, sampled)
+            else:
+                request.output_token_ids.extend(sampled)
             prompt_lps = result.prompt_logprobs.get(request_id)
             if prompt_lps is not None:
                 if request.prompt_logprobs is None:
@@ -85,6 +89,15 @@ class SchedulerResults:
                     out.prompt_logprobs = request.prompt_logprobs.take()
                 outputs.append(out)
         return outputs
+
+    @staticmethod
+    def _until_stop(request: Request, sampled: list[int]) -> list[int]:
+        """Append a burst's tokens up to the first that ends the request; -> those kept."""
+        for num_kept, token in enumerate(sampled, 1):
+            request.output_token_ids.append(token)
+            if request.check_stop() is not None:
+                return sampled[:num_kept]
+        return sampled
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status

@@ -65,7 +65,9 @@ class Stepping:
             sum(n for n in plan.num_scheduled_tokens.values() if n > 1)  # a baseline's plan
         hists.budget_tokens.observe(sched.config.max_num_batched_tokens)
         hists.prefill_tokens.observe(num_prefill)
-        hists.decode_tokens.observe(plan.total_num_scheduled_tokens - num_prefill)
+        # A decode burst computes its decodes num_steps times.
+        hists.decode_tokens.observe((plan.total_num_scheduled_tokens - num_prefill)
+                                    * plan.num_steps)
 
     def finish_step(self, worker: int, plan: StepPlan,
                     result: StepResult) -> list[RequestOutput]:

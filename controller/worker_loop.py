@@ -324,7 +324,7 @@ class WorkerSlot:
     def _deadline_s(self, plan: Any) -> float:
         cfg = self.recovery
         context = self.core.scheduler(self.index).step_context_len(plan.step_id)
-        predicted = self.core.workers[self.index].protections.step_cost.chunk_s(
+        predicted = plan.num_steps * self.core.workers[self.index].protections.step_cost.chunk_s(
             plan.total_num_scheduled_tokens, context)
         return max(cfg.step_deadline_min_s, cfg.step_deadline_factor * predicted)
 

@@ -29,6 +29,7 @@ class PoolSpec:
     num_blocks: int
     block_size: int
     enable_prefix_caching: bool = True
+    max_decode_steps: int = 1  # longest decode burst a plan may ask of it (scheduler.decode_steps)
 
 
 Event = ChunkComplete | CacheEvict

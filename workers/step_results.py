@@ -1,6 +1,7 @@
 """A worker's results side (a part of `Worker`): a step's `StepResult` with its sampled
 tokens, one `ChunkComplete` per prefill chunk, the bytes the step moved (the model's
-config prices them), the telemetry sample taken on it, and the log-probabilities its
+config prices them), the telemetry sample taken on it, a decode burst's further steps
+(controller/decode_burst.py), and the log-probabilities its
 requests ask for (workers/logprobs.py), and the grammar masks of constrained requests
 (workers/structured/): log-probabilities are always of the raw logits, before the mask.
 
@@ -18,6 +19,7 @@ A chunk's `bytes_moved` uses the same terms for its own tokens plus its pro-rata
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -48,6 +50,7 @@ class StepResults:
     _host_ids: Tensor
     tokenizer: Any
     eos_token_ids: tuple[int, ...]
+    _launch: Callable[[StepPlan], PendingStep]
 
     @property
     def grammars(self) -> GrammarMasks:
@@ -86,6 +89,41 @@ class StepResults:
             sample = self.telemetry.sample(result.bytes_moved, result.elapsed_s, time.monotonic())
             result.bandwidth_utilization = sample.bandwidth_utilization
         return result
+
+    def _wait_one(self, pending: PendingStep) -> StepResult:
+        """`wait` for one launched step, without its telemetry sample."""
+        if pending.done is not None:
+            pending.done.synchronize()
+            assert pending.start_event is not None and pending.host_ids is not None
+            pending.tokens = pending.host_ids.tolist()
+            elapsed_s = pending.start_event.elapsed_time(pending.done) / 1e3
+        else:
+            assert pending.end_s is not None
+            elapsed_s = pending.end_s - pending.start_s
+        plan = pending.plan
+        if not pending.spans:
+            return StepResult(step_id=plan.step_id, elapsed_s=elapsed_s)
+        sampled = dict(zip(pending.sampling_ids, pending.tokens, strict=True))
+        result = self._finish_step(plan, pending.spans, sampled, elapsed_s)
+        return self._add_logprobs(result, pending, sampled)
+
+    @torch.inference_mode()
+    def _run_burst(self, plan: StepPlan, result: StepResult) -> None:
+        """Steps 2.. of a decode burst (`StepPlan.num_steps`), into `result`: each decodes
+        every request of the plan once more, on the token the step before sampled. The
+        controller allocated the blocks for all of them and drops what follows a stop, so
+        every request runs every step (its state stays the one the controller planned)."""
+        if any(n != 1 for n in plan.num_scheduled_tokens.values()):
+            raise ValueError(f"step {plan.step_id}: a decode burst schedules 1 token a request")
+        again = StepPlan(plan.step_id, num_scheduled_tokens=dict(plan.num_scheduled_tokens),
+                         total_num_scheduled_tokens=plan.total_num_scheduled_tokens)
+        for _ in range(plan.num_steps - 1):
+            step = self._wait_one(self._launch(again))
+            for request_id, tokens in step.sampled_token_ids.items():
+                result.sampled_token_ids[request_id].extend(tokens)
+            result.elapsed_s += step.elapsed_s
+            result.bytes_moved += step.bytes_moved
+            result.num_tokens += step.num_tokens
 
     def _finish_step(
         self, plan: StepPlan, spans: dict[str, SeqSpan], sampled: dict[str, int], elapsed_s: float

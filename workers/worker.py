@@ -414,20 +414,10 @@ class Worker(StepResults):
         if not self._launched:
             raise RuntimeError("no launched step to wait for")
         self._launched = False
-        if pending.done is not None:
-            pending.done.synchronize()
-            assert pending.start_event is not None and pending.host_ids is not None
-            pending.tokens = pending.host_ids.tolist()
-            elapsed_s = pending.start_event.elapsed_time(pending.done) / 1e3
-        else:
-            assert pending.end_s is not None
-            elapsed_s = pending.end_s - pending.start_s
-        plan = pending.plan
-        if not pending.spans:
-            return self._sample_telemetry(StepResult(step_id=plan.step_id, elapsed_s=elapsed_s))
-        sampled = dict(zip(pending.sampling_ids, pending.tokens, strict=True))
-        result = self._finish_step(plan, pending.spans, sampled, elapsed_s)
-        return self._sample_telemetry(self._add_logprobs(result, pending, sampled))
+        result = self._wait_one(pending)
+        if pending.plan.num_steps > 1:
+            self._run_burst(pending.plan, result)
+        return self._sample_telemetry(result)
 
     def _remap_blocks(self, moves: dict[int, int]) -> tuple[np.ndarray, np.ndarray]:
         """Defragmentation, host side: the requests' block tables follow the moves at once;

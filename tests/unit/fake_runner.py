@@ -9,7 +9,8 @@ the scheduled tokens fails the test. With `check_kv` it also keeps what each KV 
 slot holding anything else: a prefix hit on a block never written or overwritten since, a
 block freed while still read, a lost defragmentation move. It samples a seeded token
 whenever a request's known tokens are all computed, and reports `chunk_complete` events
-with a scripted cost and bandwidth.
+with a scripted cost and bandwidth. A decode burst (`StepPlan.num_steps`) runs its 1-token
+spans that many times, each on the token sampled the time before, as the worker does.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class FakeRunner:
         # block id -> per slot, the tokens (as a tuple) whose last one was computed there
         self.kv: dict[int, list[tuple[int, ...] | None]] | None = {} if check_kv else None
         self.num_kv_checked = 0  # context slots verified
+        self.num_bursts = 0  # plans with num_steps > 1 run
 
     @property
     def held(self) -> dict[str, list[int]]:
@@ -90,6 +92,16 @@ class FakeRunner:
             assert request_id in self.requests, f"{request_id} scheduled, never sent"
         result = StepResult(step_id=plan.step_id, num_tokens=plan.total_num_scheduled_tokens,
                             bandwidth_utilization=self.bandwidth())
+        if plan.num_steps > 1:  # a decode burst: the same 1-token spans, num_steps times
+            assert all(n == 1 for n in plan.num_scheduled_tokens.values()), "burst of chunks"
+            assert not plan.new_requests, "a burst carries no new request"
+            self.num_bursts += 1
+        for _ in range(plan.num_steps):
+            self._run_spans(plan, result)
+        result.num_tokens *= plan.num_steps
+        return result
+
+    def _run_spans(self, plan: StepPlan, result: StepResult) -> None:
         for request_id, num_new in plan.num_scheduled_tokens.items():
             req = self.requests[request_id]
             start = req.num_computed_tokens
@@ -101,7 +113,7 @@ class FakeRunner:
             req.num_computed_tokens = end
             sampled = [self.sample(req.token_ids)] if end == len(req.token_ids) else []
             req.token_ids.extend(sampled)
-            result.sampled_token_ids[request_id] = sampled
+            result.sampled_token_ids.setdefault(request_id, []).extend(sampled)
             if start < req.num_prompt_tokens:
                 index = self.request_to_num_chunks.get(request_id, 0)
                 self.request_to_num_chunks[request_id] = index + 1
@@ -109,7 +121,6 @@ class FakeRunner:
                 result.chunk_events.append(
                     ChunkComplete(request_id, index, start, num_new, elapsed, 0))
                 result.elapsed_s = max(result.elapsed_s, elapsed)
-        return result
 
     def _check_and_write_kv(self, request_id: str, req: _FakeRequest, start: int,
                             end: int) -> None:

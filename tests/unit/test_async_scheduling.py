@@ -87,13 +87,15 @@ def workload() -> list[tuple[str, list[int], SamplingParams]]:
     return out
 
 
-def run_all(is_async: bool | None) -> tuple[dict[str, tuple[list[int], FinishReason | None]],
-                                     OrderedWorkerHandle, dict[str, Any]]:
+def run_all(is_async: bool | None, decode_steps: int | None = None
+            ) -> tuple[dict[str, tuple[list[int], FinishReason | None]], OrderedWorkerHandle,
+                       dict[str, Any]]:
     handle = OrderedWorkerHandle()
     options = ControllerOptions(
         worker=WorkerConfig(num_workers=1),
         scheduler=SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8,
-                                  max_chunk_tokens=8, async_scheduling=is_async))
+                                  max_chunk_tokens=8, async_scheduling=is_async,
+                                  decode_steps=decode_steps))
 
     async def main() -> tuple[dict[str, tuple[list[int], FinishReason | None]],
                               dict[str, Any]]:

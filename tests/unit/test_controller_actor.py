@@ -145,7 +145,9 @@ class FakeWorkerHandle:
 
 
 def make_info(incarnation: str) -> WorkerInfo:
-    return WorkerInfo(32, 4, VOCAB, (), 1024, "/nowhere", "cpu", 0, 1, incarnation)
+    # A device that is no CPU: one step a plan, as these tests count them, unless
+    # scheduler.decode_steps asks for bursts (tests/unit/test_decode_burst.py).
+    return WorkerInfo(32, 4, VOCAB, (), 1024, "/nowhere", "fake", 0, 1, incarnation)
 
 
 def make_actor(num_workers: int = 2, deadline_s: float = 5.0

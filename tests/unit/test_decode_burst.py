@@ -1,0 +1,133 @@
+"""When the scheduler plans a decode burst (controller/decode_burst.py) and what it counts,
+on `FakeRunner` (which runs a burst's spans `num_steps` times and checks every diff and KV
+slot), and through the controller actor planning ahead: the tokens of single steps."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from controller.messages import SamplingParams, TokenLogprob
+from controller.request import Request
+from controller.scheduler import Scheduler, SchedulerConfig
+from controller.scheduler_config import DEFAULT_CPU_DECODE_STEPS, StepLimits
+from kvcache.block_pool import BlockPool
+from kvcache.manager import KVCacheManager
+from tests.unit.fake_runner import FakeRunner
+from tests.unit.test_async_scheduling import next_token, run_all, workload
+
+PLAIN = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+
+
+def bursting(num_blocks: int = 64, steps: int = 4) -> tuple[Scheduler, FakeRunner]:
+    config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8)
+    sched = Scheduler(config, KVCacheManager(BlockPool(num_blocks, 4)))
+    sched.max_decode_steps = steps
+    return sched, FakeRunner(sched, sample=next_token, check_kv=True)
+
+
+def add(sched: Scheduler, rid: str, params: SamplingParams = PLAIN, prompt_len: int = 6
+        ) -> Request:
+    request = Request(rid, [(7 * len(rid) + i) % 90 + 1 for i in range(prompt_len)], params)
+    sched.add_request(request)
+    return request
+
+
+def test_decoding_alone_runs_in_bursts_and_gives_single_step_tokens() -> None:
+    outputs = {}
+    for steps in (1, 4):
+        sched, runner = bursting(steps=steps)
+        requests = [add(sched, f"r{i}") for i in range(3)]
+        num_steps = 0
+        while sched.has_unfinished():
+            runner.step()
+            num_steps += 1
+        outputs[steps] = [r.output_token_ids for r in requests]
+        assert sched.kv.pool.stats().num_used == 0
+    # The prefill samples 1 of the 20 tokens; bursts of 4, 4, 4, 4 and the last 3.
+    assert runner.num_bursts == 5 and num_steps == 1 + 5
+    assert outputs[4] == outputs[1]
+    assert all(len(ids) == 20 for ids in outputs[4])
+
+
+def test_a_request_waiting_for_a_free_seat_does_not_stop_bursts() -> None:
+    config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=2)
+    sched = Scheduler(config, KVCacheManager(BlockPool(64, 4)))
+    sched.max_decode_steps = 4
+    runner = FakeRunner(sched, sample=next_token, check_kv=True)
+    for rid in ("a", "b", "c"):
+        add(sched, rid)
+    runner.step()  # a and b admitted; c waits for one of them to finish
+    assert sched.num_waiting == 1
+    assert sched.schedule().num_steps == 4
+
+
+def test_no_burst_while_a_request_waits_or_a_prompt_is_chunked() -> None:
+    sched, runner = bursting()
+    add(sched, "a")
+    runner.step()
+    assert sched.schedule().num_steps == 4  # decoding alone: a burst (not run)
+    sched2, runner2 = bursting()
+    add(sched2, "a")
+    runner2.step()
+    add(sched2, "late")  # arrives: the next step admits it, one step
+    plan = sched2.schedule()
+    assert plan.num_steps == 1 and plan.num_scheduled_tokens == {"a": 1, "late": 6}
+
+
+@pytest.mark.parametrize("params", [
+    replace(PLAIN, logprobs=2), replace(PLAIN, stop=("x",)),
+    replace(PLAIN, grammar_kind="regex", grammar_spec="a+")],
+    ids=["logprobs", "stop-strings", "grammar"])
+def test_no_burst_for_what_is_checked_token_by_token(params: SamplingParams) -> None:
+    sched, runner = bursting()
+    add(sched, "plain")
+    add(sched, "special", params)
+    plan = sched.schedule()
+    result = runner.execute(plan)  # the fake scores nothing: the score a worker sends
+    result.sampled_logprobs["special"] = TokenLogprob(result.sampled_token_ids["special"][0],
+                                                      -1.0)
+    sched.update_from_output(plan, result)
+    assert sched.schedule().num_steps == 1
+
+
+def test_a_burst_is_cut_to_the_fewest_tokens_left_and_to_the_free_blocks() -> None:
+    sched, runner = bursting()
+    add(sched, "long")
+    add(sched, "short", replace(PLAIN, max_tokens=3))  # 1 from the prefill, 2 left
+    runner.step()
+    plan = sched.schedule()
+    assert plan.num_steps == 2
+    runner.execute(plan)
+    # 4-token blocks: after their prompts (6 and 2 tokens) a and b hold 2 + 1 of a pool of
+    # 4; a burst of 4 needs one more each (10 and 6 tokens), a single step none.
+    sched, runner = bursting(num_blocks=4)
+    add(sched, "a", replace(PLAIN, max_tokens=8))
+    add(sched, "b", replace(PLAIN, max_tokens=8), prompt_len=2)
+    runner.step()
+    assert sched.schedule().num_steps == 1
+
+
+def test_throttled_flow_control_gets_single_steps() -> None:
+    sched, runner = bursting()
+    add(sched, "a")
+    runner.step()
+    assert sched.schedule(StepLimits(max_chunks=1)).num_steps == 1
+
+
+def test_cpu_workers_burst_by_default_accelerators_do_not() -> None:
+    config = SchedulerConfig()
+    assert config.max_decode_steps("cpu") == DEFAULT_CPU_DECODE_STEPS > 1
+    assert config.max_decode_steps("cuda:0") == 1
+    assert SchedulerConfig(decode_steps=2).max_decode_steps("cuda:0") == 2
+
+
+def test_bursts_planned_ahead_through_the_actor_give_the_serial_tokens() -> None:
+    sync, _, _ = run_all(False)
+    got, handle, stats = run_all(True, decode_steps=4)
+    assert handle.runner.num_bursts > 0 and handle.max_outstanding == 2
+    assert got == sync
+    for rid, _, params in workload():
+        assert len(got[rid][0]) <= params.max_tokens, rid
+    assert stats["num_unfinished"] == 0
