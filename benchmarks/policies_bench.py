@@ -117,10 +117,12 @@ def _config(cfg: PoliciesConfig, policy: str, scheduler: dict[str, Any] | None =
             calibration: dict[str, Any] | None = None,
             slo: dict[str, Any] | None = None) -> TokenflowConfig:
     # No prefix caching: trials replay the same prompts, and a hit would skip their prefill.
+    # One step a plan: the policies are compared step by step in virtual time (a decode
+    # burst's tokens would all land at its end); bursts are the peer benchmark's.
     return TokenflowConfig(
         worker={"model": cfg.model},
         cache={"num_kv_blocks": cfg.num_kv_blocks, "enable_prefix_caching": False},
-        scheduler={"scheduling_policy": policy, **(scheduler or {})},
+        scheduler={"scheduling_policy": policy, "decode_steps": 1, **(scheduler or {})},
         calibration=calibration or {"auto": False},  # baselines: their fixed budgets
         slo=slo or {})
 
