@@ -5,9 +5,11 @@ session so that stopping one ends exactly its process tree.
 Scene: `NUM_USERS` users stream `USER_TOKENS` greedy tokens each from `USER_PROMPT_LEN`-id
 prompts; `LONG_AT_S` after they start, a `LONG_PROMPT_LEN`-id prompt arrives, and
 `SHORT_AFTER_S` later a `SHORT_PROMPT_LEN`-id one (both stream `PROBE_TOKENS` tokens). A
-user's inter-token gap is the time between two of its stream events (one event per token
-on both servers while a request decodes). The gaps "during the long prefill" are those
-that end between the long prompt's arrival and its first token.
+user's gap is the time between two of its stream events: one event per token on vLLM
+and on tokenflow's steps that carry a chunk, one per decode burst (several tokens, counted
+from the stream's usage chunk) on tokenflow's decode-only steps, so a burst's gap counts
+once, not as several gaps of zero. The gaps "during the long prefill" are those that end
+between the long prompt's arrival and its first token.
 """
 
 from __future__ import annotations
@@ -37,8 +39,15 @@ FIRST_ID = 300
 @dataclass
 class Stream:
     start: float
-    events: list[float] = field(default_factory=list)
+    events: list[float] = field(default_factory=list)  # arrival of each chunk with text
     error: str | None = None
+    num_tokens: int | None = None  # the usage chunk's completion_tokens
+
+    @property
+    def tokens(self) -> int:
+        """Tokens received: a chunk may carry several (a decode burst, a stream that fell
+        behind), so the usage count, not the chunks; the chunks where there is none."""
+        return len(self.events) if self.num_tokens is None else self.num_tokens
 
     @property
     def ttft_s(self) -> float | None:
@@ -48,7 +57,7 @@ class Stream:
 async def _stream(client: Any, url: str, model: str, prompt: list[int], max_tokens: int,
                   t0: float) -> Stream:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": True, "stream": True}
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     out = Stream(time.perf_counter() - t0)
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
@@ -61,6 +70,8 @@ async def _stream(client: Any, url: str, model: str, prompt: list[int], max_toke
                 chunk = json.loads(line[5:])
                 if chunk.get("choices") and chunk["choices"][0].get("text") is not None:
                     out.events.append(time.perf_counter() - t0)
+                if chunk.get("usage"):
+                    out.num_tokens = chunk["usage"]["completion_tokens"]
     except Exception as err:  # recorded, the round is then reported as failed
         out.error = repr(err)
     return out
@@ -104,7 +115,7 @@ async def run_scene(url: str, model: str, vocab_size: int, seed: int = 0) -> dic
             all_gaps.append(b - a)
             if long_first is not None and long_s.start <= b <= long_first:
                 window_gaps.append(b - a)
-    user_tokens = sum(len(s.events) for s in user_streams)
+    user_tokens = sum(s.tokens for s in user_streams)
     users_end = max((s.events[-1] for s in user_streams if s.events), default=None)
     return {
         "errors": errors,
