@@ -174,7 +174,7 @@ class Scheduler(SchedulerResults):
             if self._allocate_or_preempt(request, steps, scheduled):
                 scheduled[request.request_id] = 1
                 budget -= 1
-                self.tenant_stats.add(request.tenant, 1, is_prefill=False)
+                self.tenant_stats.add(request.tenant, steps, is_prefill=False)
         for request_id in scheduled:  # preemption may have dropped earlier ones
             shape.num_decodes += 1
             shape.decode_context = max(shape.decode_context,

@@ -45,6 +45,9 @@ def test_decoding_alone_runs_in_bursts_and_gives_single_step_tokens() -> None:
             num_steps += 1
         outputs[steps] = [r.output_token_ids for r in requests]
         assert sched.kv.pool.stats().num_used == 0
+        # Each request's 19 fed-back tokens counted, whichever way they were planned.
+        assert sched.tenant_stats.tenant_to_decode_tokens["default"] == 3 * 19
+        assert sched.stats.num_decode_tokens == 3 * 19
     # The prefill samples 1 of the 20 tokens; bursts of 4, 4, 4, 4 and the last 3.
     assert runner.num_bursts == 5 and num_steps == 1 + 5
     assert outputs[4] == outputs[1]
