@@ -54,17 +54,18 @@ class SchedulerConfig:
         "sooner and the users' tokens/s 14 % higher; in process 3 % slower, as there is no "
         "round trip to hide and the planning takes the model's cores."))
     decode_steps: int | None = setting(None, ge=1, description=(
-        "Decode burst: when a step would carry only decodes and nothing waits, the worker "
-        "runs up to this many decode steps in a row on one plan, each on the tokens the "
-        "one before sampled, and the controller applies them as one result (vLLM's "
-        "multi-step scheduling). It saves the controller's planning and applying, the "
-        "actor call and the other processes' share of the cores per token: on a 2-core "
-        "CPU those stall the step's threads (docs/peer.md). Not for a request that asks "
-        "for log-probabilities, a grammar or stop strings, and never past a request's "
-        "max_tokens; tokens after an EOS or stop token id are computed and dropped. A "
-        "request that arrives meanwhile waits for the burst to end; tokens reach a stream "
-        "a burst at a time. None: 4 on a CPU worker, 1 (off) on an accelerator, where "
-        "asynchronous scheduling already hides the host's work."))
+        "Decode burst: when a step would carry only decodes and nobody waits who could be "
+        "admitted, the worker runs up to this many decode steps in a row on one plan, each "
+        "on the tokens the one before sampled, and the controller applies them as one "
+        "result (vLLM's multi-step scheduling). It saves the controller's planning and "
+        "applying, the actor call and the other processes' share of the cores per token: "
+        "on a 2-core CPU those stall the step's threads (docs/peer.md). Not for a request "
+        "that asks for log-probabilities, a grammar or stop strings, and never past a "
+        "request's max_tokens; tokens after an EOS or stop token id are computed and "
+        "dropped. A request that arrives meanwhile waits for the burst to end; tokens "
+        "reach a stream a burst at a time. None: 4 on a CPU worker (8 was not faster "
+        "served, nor 16 in a batch job), 1 (off) on an accelerator, where asynchronous "
+        "scheduling already hides the host's work."))
     plan_ahead_at: float = setting(0.7, ge=0, lt=1, description=(
         "With async scheduling in the Ray step loop: the next step is planned once the "
         "running one is this share done, by its predicted time (the cost model's, scaled "

@@ -1,8 +1,8 @@
 """A worker's results side (a part of `Worker`): a step's `StepResult` with its sampled
 tokens, one `ChunkComplete` per prefill chunk, the bytes the step moved (the model's
 config prices them), the telemetry sample taken on it, a decode burst's further steps
-(controller/decode_burst.py), and the log-probabilities its
-requests ask for (workers/logprobs.py), and the grammar masks of constrained requests
+(controller/decode_burst.py), the log-probabilities its requests ask for
+(workers/logprobs.py), and the grammar masks of constrained requests
 (workers/structured/): log-probabilities are always of the raw logits, before the mask.
 
 Bytes-moved estimate (feeds the CPU bandwidth telemetry), per step:
@@ -113,8 +113,6 @@ class StepResults:
         every request of the plan once more, on the token the step before sampled. The
         controller allocated the blocks for all of them and drops what follows a stop, so
         every request runs every step (its state stays the one the controller planned)."""
-        if any(n != 1 for n in plan.num_scheduled_tokens.values()):
-            raise ValueError(f"step {plan.step_id}: a decode burst schedules 1 token a request")
         again = StepPlan(plan.step_id, num_scheduled_tokens=dict(plan.num_scheduled_tokens),
                          total_num_scheduled_tokens=plan.total_num_scheduled_tokens)
         for _ in range(plan.num_steps - 1):

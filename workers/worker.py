@@ -287,6 +287,8 @@ class Worker(StepResults):
         for: the next plan's inputs include the tokens this one samples."""
         if self._launched:
             raise RuntimeError("a launched step was not waited for")
+        if plan.num_steps > 1 and any(n != 1 for n in plan.num_scheduled_tokens.values()):
+            raise ValueError(f"step {plan.step_id}: a decode burst schedules 1 token a request")
         try:
             pending = self._launch(plan)
         except BaseException:

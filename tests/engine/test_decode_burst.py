@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from cluster.engine import LocalEngine
-from controller.messages import SamplingParams
+from controller.messages import SamplingParams, StepPlan
 from tests.engine.test_step_pipeline import _generate
 
 
@@ -61,3 +61,13 @@ def test_a_burst_never_passes_max_tokens_and_a_stop_inside_it_ends_the_request()
     assert num_sampled > len(got.output_token_ids)  # some were computed, then dropped
     engine.check_integrity()
     assert engine.scheduler.kv.pool.stats().num_used == 0
+
+
+def test_the_worker_refuses_a_burst_of_chunks_before_running_anything() -> None:
+    engine = _engine(4, False, 48)
+    plan = StepPlan(step_id=0, num_scheduled_tokens={"x": 5}, total_num_scheduled_tokens=5,
+                    num_steps=2)
+    with pytest.raises(ValueError, match="decode burst"):
+        engine.worker.launch(plan)
+    assert engine.worker.num_active_requests == 0
+    engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0))  # serves on
