@@ -95,6 +95,7 @@ def test_worker_launches_one_step_at_a_time_and_survives_a_bad_plan() -> None:
     engine.core.finish_step(0, plan, result)
     bad = engine.core.begin_step(0)
     bad.num_scheduled_tokens = {rid: 99 for rid in bad.num_scheduled_tokens}
+    bad.num_steps = 1  # a decode burst (the decode left: 2) is refused before this check
     with pytest.raises(ValueError, match=r"only .* known"):
         worker.launch(bad)
     assert not worker._launched  # the refused plan left nothing to wait for
