@@ -40,7 +40,7 @@ from typing import Any
 
 import ray
 
-from controller.core import ControllerCore, PoolSpec
+from controller.core import ControllerCore
 from controller.gc_freeze import freeze_long_lived
 from controller.journal import Journal
 from controller.messages import Ack, DeltaBatch, FinishReason, RequestOutput, SamplingParams
@@ -167,9 +167,7 @@ class ControllerActor:
         transport = slot_transport(self.options, index, handle, info)
         await transport.reopen(handle, info.incarnation)
         # From here to `start`, nothing awaits: the index is still the next one.
-        assert core.add_worker(PoolSpec(
-            info.num_kv_blocks, info.block_size, self.options.cache.enable_prefix_caching,
-            self.options.scheduler.max_decode_steps(info.device))) == index
+        assert core.add_worker(ControllerCore.pool_of(self.options, info)) == index
         slot = self._make_slot(index, handle, info, transport)
         self.slots.append(slot)
         slot.start()

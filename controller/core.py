@@ -120,17 +120,23 @@ class ControllerCore(Routing, Stepping):
         self.workers.append(self._new_worker_state(pool))
         return len(self.workers) - 1
 
+    @staticmethod
+    def pool_of(options: ControllerOptions, worker: WorkerFacts) -> PoolSpec:
+        """A worker's pool as it reports it (`WorkerInfo`, an in-process `Worker`): its
+        blocks, and its decode bursts by its device (a worker without one: none)."""
+        return PoolSpec(worker.num_kv_blocks, worker.block_size,
+                        options.cache.enable_prefix_caching,
+                        options.scheduler.max_decode_steps(str(getattr(worker, "device", ""))))
+
     @classmethod
     def for_workers(cls, options: ControllerOptions, workers: Sequence[WorkerFacts],
                     clock: Callable[[], float] | None = None) -> ControllerCore:
         """The one way a core is built outside tests (the controller actor, `LocalEngine`,
         the benchmarks): a pool per worker as it reports it, the model's limits from the
         first (every worker runs the same model), the configured max_model_len capped by
-        the model's; decode bursts by each worker's device (one without one: none)."""
+        the model's."""
         first = workers[0]
-        pools = [PoolSpec(w.num_kv_blocks, w.block_size, options.cache.enable_prefix_caching,
-                          options.scheduler.max_decode_steps(str(getattr(w, "device", ""))))
-                 for w in workers]
+        pools = [cls.pool_of(options, w) for w in workers]
         max_model_len = min([options.worker.max_model_len, *(w.max_model_len for w in workers)])
         return cls(pools, options, ModelFacts(tuple(first.eos_token_ids), max_model_len,
                                               first.vocab_size), clock)
