@@ -81,6 +81,12 @@ class WorkerConfig:
         "and SiLU-and-mul run as one C++ pass each (workers/kernels/csrc/cpu_layers.cpp) "
         "instead of 2-8 torch operators each; False keeps the operators (the reference). "
         "Rotary is bit-equal, the norm's sum and SiLU's exp round within a few ulp."))
+    cpu_sampled_last_layer: bool = setting(True, description=(
+        "On a CPU fp32 worker with the C++ layers, a step's last layer computes K/V for "
+        "every row but its attention, o_proj, MLP and final norm only for the rows that "
+        "sample (one per request finishing its prompt or decoding): no other row's output "
+        "is read (workers/sampled_rows.py). Off where a request asks for prompt "
+        "log-probabilities. False runs the last layer on every row."))
     cpu_keep_freed_memory: bool = setting(True, description=(
         "On a CPU worker, have glibc's allocator serve allocations up to 32 MiB from its "
         "heap and keep freed memory instead of returning it to the system (mallopt), so a "

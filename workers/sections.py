@@ -28,6 +28,7 @@ class RunOptions:
     packing: PackPolicy | None = PackPolicy()  # None: plain GEMMs only
     fused_layers: bool = True  # CPU fp32: the C++ norm, rotary and SiLU-and-mul
     keep_freed_memory: bool = True  # CPU: glibc keeps freed memory (workers/cpu_setup.py)
+    sampled_last_layer: bool = True  # CPU fp32: last layer on sampled rows (sampled_rows.py)
 
 
 class WorkerSection(Protocol):
@@ -50,6 +51,7 @@ class WorkerSection(Protocol):
     cpu_packed_any_rows_elements: int
     cpu_fused_layers: bool
     cpu_keep_freed_memory: bool
+    cpu_sampled_last_layer: bool
 
 
 class CacheSection(Protocol):

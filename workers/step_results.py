@@ -26,9 +26,10 @@ import torch
 from torch import Tensor
 
 from controller.messages import ChunkComplete, StepPlan, StepResult
-from workers.attention import SeqSpan
+from workers.attention import AttentionBackend, HostStaging, SeqSpan
 from workers.logprobs import score_rows
 from workers.model_config import ModelConfig
+from workers.sampled_rows import SampledRows, sampled_rows
 from workers.step_state import PendingStep, RequestState
 from workers.telemetry import TelemetrySource
 
@@ -51,6 +52,11 @@ class StepResults:
     tokenizer: Any
     eos_token_ids: tuple[int, ...]
     _launch: Callable[[StepPlan], PendingStep]
+    keep_logits: bool
+    is_sampled_last_layer: bool
+    block_size: int
+    _staging: HostStaging
+    backend: AttentionBackend
 
     @property
     def grammars(self) -> GrammarMasks:
@@ -163,6 +169,17 @@ class StepResults:
         kv = (span.context_len + span.num_query_tokens) * self._kv_bytes_per_token
         embed_row = self._config.hidden_size * self.dtype.itemsize
         return kv + span.num_query_tokens * (self._act_bytes_per_token + embed_row)
+
+    def _sampled_rows(self, spans: dict[str, SeqSpan], sampling_ids: list[str],
+                      num_tokens: int) -> SampledRows | None:
+        """The step's last layer on its sampled rows only (workers/sampled_rows.py): where
+        the worker runs it so, keeps no row's logits and no request scores its prompt."""
+        if not self.is_sampled_last_layer or self.keep_logits or any(
+                self._requests[rid].sampling_params.prompt_logprobs is not None
+                for rid in spans):
+            return None
+        return sampled_rows(spans, sampling_ids, num_tokens, self.block_size, self._staging,
+                            self.backend)
 
     def _score(self, pending: PendingStep, hidden: Tensor, logits: Tensor, ids: Tensor) -> None:
         """Queue the log-probabilities the step's requests ask for: their sampled tokens'

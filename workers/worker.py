@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
-from functools import cached_property
+from functools import cached_property, partial
 
 import numpy as np
 import torch
@@ -55,7 +55,8 @@ def build_worker(section: WorkerSection, cache: CacheSection) -> Worker:
                     seed=section.seed, device=section.device, run=RunOptions(
                         section.num_threads, section.attention_backend, section.cuda_graphs,
                         section.max_graph_batch, packing_policy(section),
-                        section.cpu_fused_layers, section.cpu_keep_freed_memory))
+                        section.cpu_fused_layers, section.cpu_keep_freed_memory,
+                        section.cpu_sampled_last_layer))
     if section.check_kv_provenance:
         worker.kv_provenance = KVProvenance(cache.block_size)
     if section.telemetry:
@@ -130,6 +131,9 @@ class Worker(StepResults):
             )
         self.sampler = Sampler(seed)
         self.keep_logits = keep_logits
+        self.is_sampled_last_layer = (  # workers/sampled_rows.py, where it runs
+            run.sampled_last_layer and self.forward is self.model
+            and self.model.runs_sampled_rows_only(self.dtype, self.device))
         self._grammars = None  # built on first use (`grammars`)
         self.last_logits: dict[str, Tensor] = {}  # [vocab] fp32, last token of the last span
         self.span_logits: dict[str, Tensor] = {}  # [n, vocab] fp32, every token of that span
@@ -375,13 +379,16 @@ class Worker(StepResults):
         sampling_inputs = meta.extra[: len(extra) - (0 if moves is None else 2)]
         if moves is not None:  # before the forward reads them, from the same upload
             self._copy_blocks(*meta.extra[-2:])
+        sampled = None
         if bucket is not None:
             assert self.graphs is not None
             hidden = self.graphs.run(meta)  # [bucket, hidden], padding rows past the real ones
         else:
             attn = self.backend.prepare(meta)
-            hidden = self.forward(meta.input_ids, meta.positions, attn, self.kv_caches)
-        hidden = hidden[: meta.num_real_tokens]  # [T, hidden]
+            sampled = self._sampled_rows(spans, sampling_ids, len(input_ids))
+            forward = self.forward if sampled is None else partial(self.model, sampled=sampled)
+            hidden = forward(meta.input_ids, meta.positions, attn, self.kv_caches)
+        hidden = hidden[: meta.num_real_tokens]  # [T, hidden]; [S, hidden] when `sampled`
 
         if self.keep_logits:
             all_logits = self.model.compute_logits(hidden)  # [T, vocab]
@@ -391,7 +398,8 @@ class Worker(StepResults):
                 self.last_logits[rid] = rows[-1].cpu()
             logits = all_logits[meta.logits_indices]
         else:
-            logits = self.model.compute_logits(hidden[meta.logits_indices])  # [S, vocab]
+            logits = self.model.compute_logits(  # [S, vocab]
+                hidden if sampled is not None else hidden[meta.logits_indices])
         raw_logits = self._apply_grammars(logits, sampling_ids)  # scored: before the mask
         if self.device.type == "cuda":
             # The step's one device-to-host copy, queued behind the step: into pinned memory,

@@ -49,6 +49,10 @@ class AttentionStep(Protocol):
     def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: KVCache,
                 scale: float) -> Tensor: ...
 
+    def write_kv(self, k: Tensor, v: Tensor, kv_cache: KVCache) -> None:
+        """The step's new K/V into the cache at its slots, no attention (`forward` does it
+        first)."""
+
 
 class AttentionBackend(Protocol):
     name: str

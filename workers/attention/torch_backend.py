@@ -153,14 +153,19 @@ class TorchAttentionStep:
             self._buffers[which] = buf
         return _read_blocks(cache, block_ids, out=buf[: block_ids.numel()])
 
+    def write_kv(self, k: Tensor, v: Tensor, kv_cache: KVCache) -> None:
+        """k/v [T, Hkv, hd] into the cache at the step's slots (no attention)."""
+        k_cache, v_cache = kv_cache
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        slots = self.meta.slot_mapping
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k.to(k_cache.dtype))
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v.to(v_cache.dtype))
+
     def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: KVCache, scale: float) -> Tensor:
         """q [T, H, hd], k/v [T, Hkv, hd] (already rotated) -> [T, H, hd]."""
         k_cache, v_cache = kv_cache
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        slots = self.meta.slot_mapping
-        # Write first: the spans below read their own new keys back from the cache.
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k.to(k_cache.dtype))
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v.to(v_cache.dtype))
+        self.write_kv(k, v, kv_cache)  # first: the spans below read their own new keys back
 
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         for chunk in self.chunks:

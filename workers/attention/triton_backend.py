@@ -79,10 +79,13 @@ class TritonAttentionStep:
         # Tokens of the leading decode sequences: one each.
         self.num_decode_tokens = meta.num_decodes
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: KVCache, scale: float) -> Tensor:
-        """q [T, H, hd], k/v [T, Hkv, hd] (already rotated; strided views are fine)."""
+    def write_kv(self, k: Tensor, v: Tensor, kv_cache: KVCache) -> None:
         k_cache, v_cache = kv_cache
         self.k.write_kv(k, v, k_cache, v_cache, self.meta.slot_mapping)
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: KVCache, scale: float) -> Tensor:
+        """q [T, H, hd], k/v [T, Hkv, hd] (already rotated; strided views are fine)."""
+        self.write_kv(k, v, kv_cache)
         return self._attend(q, kv_cache, scale)
 
     def forward_rotary(self, qkv: Tensor, cos_sin: Tensor, kv_cache: KVCache,

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from workers.attention import AttentionStep, KVCache
 from workers.model_config import ModelConfig, RopeConfig
 from workers.models.packed import PACKED_DTYPE_TOL, maybe_pack
+from workers.sampled_rows import SampledRows
 from workers.sections import PackPolicy
 
 
@@ -216,25 +217,35 @@ class LlamaForCausalLM(nn.Module):
         positions: Tensor,
         attn: AttentionStep,
         kv_caches: list[KVCache],
+        sampled: SampledRows | None = None,
     ) -> Tensor:
         """input_ids, positions [T] -> final-normed hidden states [T, hidden]. `attn`: the
-        step's attention (`backend.prepare(meta)`), called by every layer."""
+        step's attention (`backend.prepare(meta)`), called by every layer. With `sampled`
+        (only where `runs_sampled_rows_only`): [S, hidden], the last layer run on the sampled
+        rows alone (workers/sampled_rows.py)."""
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary_emb(positions, x.dtype)  # [T, hd/2] each, shared by all layers
-        if self.cpu_layers is not None and x.dtype == torch.float32 and x.device.type == "cpu":
-            return self._forward_cpu_layers(x, cos, sin, attn, kv_caches)
+        if self.runs_sampled_rows_only(x.dtype, x.device):
+            return self._forward_cpu_layers(x, cos, sin, attn, kv_caches, sampled)
+        assert sampled is None, "the last layer on sampled rows is the C++ layers' path"
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv_cache, attn)
         return self.model.norm(x)
 
+    def runs_sampled_rows_only(self, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether `forward` takes `sampled` for a step of this dtype on this device (the C++
+        layers' path: CPU fp32)."""
+        return self.cpu_layers is not None and dtype == torch.float32 and device.type == "cpu"
+
     def _forward_cpu_layers(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionStep,
-                            kv_caches: list[KVCache]) -> Tensor:
+                            kv_caches: list[KVCache], sampled: SampledRows | None) -> Tensor:
         """The same layers with their elementwise work in C++ passes: each residual add is
         fused into the norm that follows it (the MLP's into the next layer's input norm,
         the last into the final norm); rotary runs in place on qkv's q and k columns."""
         ops, eps = self.cpu_layers, self.config.rms_norm_eps
         delta: Tensor | None = None  # the MLP output not yet added to the residual x
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+        last = len(self.model.layers) - 1
+        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
             attn_mod, mlp = layer.self_attn, layer.mlp
             h = ops.add_rms_norm(x, delta, layer.input_layernorm.weight, eps)  # [T, hidden]
             num_tokens, hd = h.shape[0], attn_mod.head_dim
@@ -245,6 +256,14 @@ class LlamaForCausalLM(nn.Module):
             k = qkv[:, attn_mod.num_heads * hd : num_qk_heads * hd].view(
                 num_tokens, attn_mod.num_kv_heads, hd)
             v = qkv[:, num_qk_heads * hd :].view(num_tokens, attn_mod.num_kv_heads, hd)
+            if i == last and sampled is not None:
+                # Every row's K/V for the steps to come; the rest for the sampled rows only.
+                attn.write_kv(k, v, kv_cache)
+                if sampled.attn is None:  # nothing samples: no row's output is read
+                    return x.new_empty((0, x.shape[1]))
+                rows = sampled.rows
+                x, q, k, v = x[rows], q[rows], k[rows], v[rows]  # [S, ...]
+                num_tokens, attn = rows.numel(), sampled.attn
             o = attn.forward(q, k, v, kv_cache, attn_mod.scale)  # [T, H, hd]
             h = ops.add_rms_norm(x, attn_mod.o_proj(o.view(num_tokens, -1)),
                                  layer.post_attention_layernorm.weight, eps)
