@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
 from workers.attention import AttentionBackend, AttentionStep
@@ -34,18 +33,13 @@ class SampledRows:
     attn: AttentionStep | None
 
 
-def sampled_rows(spans: dict[str, SeqSpan], sampling_ids: list[str], num_tokens: int,
-                 block_size: int, staging: HostStaging, backend: AttentionBackend
-                 ) -> SampledRows | None:
-    """The step's sampled rows and their decode view, or None when every row samples."""
-    if len(sampling_ids) == num_tokens:
-        return None
-    last = [spans[rid] for rid in sampling_ids]
-    rows = torch.tensor([s.query_start + s.num_query_tokens - 1 for s in last],
-                        dtype=torch.long)
-    if not last:
-        return SampledRows(rows, None)
+def sampled_rows(meta: StepMetadata, sampled: list[SeqSpan], staging: HostStaging,
+                 backend: AttentionBackend) -> SampledRows:
+    """The step's sampled rows (`meta.logits_indices`, one per span of `sampled`, in that
+    order) and their decode view. The caller has checked that some row does not sample."""
+    if not sampled:
+        return SampledRows(meta.logits_indices, None)
     # Row i of the view is sampled row i: one query at the end of its request's context.
-    view = [SeqSpan(i, 1, s.context_len, s.block_ids) for i, s in enumerate(last)]
-    meta = StepMetadata.build(view, [0] * len(view), block_size, staging)
-    return SampledRows(rows, backend.prepare(meta))
+    view = [SeqSpan(i, 1, s.context_len, s.block_ids) for i, s in enumerate(sampled)]
+    view_meta = StepMetadata.build(view, [0] * len(view), meta.block_size, staging)
+    return SampledRows(meta.logits_indices, backend.prepare(view_meta))

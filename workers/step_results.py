@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from controller.messages import ChunkComplete, StepPlan, StepResult
-from workers.attention import AttentionBackend, HostStaging, SeqSpan
+from workers.attention import AttentionBackend, HostStaging, SeqSpan, StepMetadata
 from workers.logprobs import score_rows
 from workers.model_config import ModelConfig
 from workers.sampled_rows import SampledRows, sampled_rows
@@ -54,7 +54,6 @@ class StepResults:
     _launch: Callable[[StepPlan], PendingStep]
     keep_logits: bool
     is_sampled_last_layer: bool
-    block_size: int
     _staging: HostStaging
     backend: AttentionBackend
 
@@ -170,15 +169,17 @@ class StepResults:
         embed_row = self._config.hidden_size * self.dtype.itemsize
         return kv + span.num_query_tokens * (self._act_bytes_per_token + embed_row)
 
-    def _sampled_rows(self, spans: dict[str, SeqSpan], sampling_ids: list[str],
-                      num_tokens: int) -> SampledRows | None:
+    def _sampled_rows(self, meta: StepMetadata, spans: dict[str, SeqSpan],
+                      sampling_ids: list[str]) -> SampledRows | None:
         """The step's last layer on its sampled rows only (workers/sampled_rows.py): where
-        the worker runs it so, keeps no row's logits and no request scores its prompt."""
-        if not self.is_sampled_last_layer or self.keep_logits or any(
-                self._requests[rid].sampling_params.prompt_logprobs is not None
-                for rid in spans):
+        some row does not sample, the worker runs it so, keeps no row's logits and no
+        request scores its prompt."""
+        if len(sampling_ids) == meta.num_real_tokens or not self.is_sampled_last_layer \
+                or self.keep_logits or any(
+                    self._requests[rid].sampling_params.prompt_logprobs is not None
+                    for rid in spans):
             return None
-        return sampled_rows(spans, sampling_ids, num_tokens, self.block_size, self._staging,
+        return sampled_rows(meta, [spans[rid] for rid in sampling_ids], self._staging,
                             self.backend)
 
     def _score(self, pending: PendingStep, hidden: Tensor, logits: Tensor, ids: Tensor) -> None:

@@ -133,7 +133,7 @@ class Worker(StepResults):
         self.keep_logits = keep_logits
         self.is_sampled_last_layer = (  # workers/sampled_rows.py, where it runs
             run.sampled_last_layer and self.forward is self.model
-            and self.model.runs_sampled_rows_only(self.dtype, self.device))
+            and self.model.runs_cpu_layers(self.dtype, self.device))
         self._grammars = None  # built on first use (`grammars`)
         self.last_logits: dict[str, Tensor] = {}  # [vocab] fp32, last token of the last span
         self.span_logits: dict[str, Tensor] = {}  # [n, vocab] fp32, every token of that span
@@ -385,7 +385,7 @@ class Worker(StepResults):
             hidden = self.graphs.run(meta)  # [bucket, hidden], padding rows past the real ones
         else:
             attn = self.backend.prepare(meta)
-            sampled = self._sampled_rows(spans, sampling_ids, len(input_ids))
+            sampled = self._sampled_rows(meta, spans, sampling_ids)
             forward = self.forward if sampled is None else partial(self.model, sampled=sampled)
             hidden = forward(meta.input_ids, meta.positions, attn, self.kv_caches)
         hidden = hidden[: meta.num_real_tokens]  # [T, hidden]; [S, hidden] when `sampled`

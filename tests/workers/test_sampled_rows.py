@@ -89,7 +89,13 @@ def test_off_where_a_request_scores_its_prompt_or_logits_are_kept(checkpoint):
     assert calls[-1] is not None and calls[-1].rows.tolist() == [13]
     assert result.prompt_logprobs  # the echo request got its prompt's scores
     kept = Worker(str(checkpoint), num_kv_blocks=64, block_size=16, keep_logits=True)
-    assert kept._sampled_rows({}, [], 5) is None
+    kept_calls: list[object] = []
+    kept_rows = kept._sampled_rows
+    kept._sampled_rows = lambda *a: kept_calls.append(kept_rows(*a)) or kept_calls[-1]
+    kept_driver = Driver(kept)
+    kept_driver.add("plain", random_ids(30, seed=2))
+    kept_driver.step({"plain": 16})  # rows to skip, but every row's logits are kept
+    assert kept_calls == [None]
 
 
 def test_an_engine_with_it_gives_the_same_greedy_tokens_under_small_chunks(checkpoint):

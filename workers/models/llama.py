@@ -221,20 +221,20 @@ class LlamaForCausalLM(nn.Module):
     ) -> Tensor:
         """input_ids, positions [T] -> final-normed hidden states [T, hidden]. `attn`: the
         step's attention (`backend.prepare(meta)`), called by every layer. With `sampled`
-        (only where `runs_sampled_rows_only`): [S, hidden], the last layer run on the sampled
+        (only where `runs_cpu_layers`): [S, hidden], the last layer run on the sampled
         rows alone (workers/sampled_rows.py)."""
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary_emb(positions, x.dtype)  # [T, hd/2] each, shared by all layers
-        if self.runs_sampled_rows_only(x.dtype, x.device):
+        if self.runs_cpu_layers(x.dtype, x.device):
             return self._forward_cpu_layers(x, cos, sin, attn, kv_caches, sampled)
         assert sampled is None, "the last layer on sampled rows is the C++ layers' path"
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv_cache, attn)
         return self.model.norm(x)
 
-    def runs_sampled_rows_only(self, dtype: torch.dtype, device: torch.device) -> bool:
-        """Whether `forward` takes `sampled` for a step of this dtype on this device (the C++
-        layers' path: CPU fp32)."""
+    def runs_cpu_layers(self, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether `forward` runs the C++ layers (CPU fp32, where they built) for a step of
+        this dtype on this device: the only path that takes `sampled`."""
         return self.cpu_layers is not None and dtype == torch.float32 and device.type == "cpu"
 
     def _forward_cpu_layers(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionStep,
