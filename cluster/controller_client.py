@@ -11,7 +11,10 @@ it. It unwraps Ray's task errors, so callers catch `QueueFullError` / `ValueErro
 When the `subscribe` stream breaks (the controller died and Ray restarts it), the client
 subscribes again with backoff and calls `resume` with how many tokens of each open request
 it has delivered: the restarted controller sends the rest (from its journal, then new
-ones), so a consumer sees a pause, not an error, a gap or a duplicate.
+ones), so a consumer sees a pause, not an error, a gap or a duplicate. A request the
+controller cannot resume (admitted too shortly before the crash to be journaled, or no
+journal at all) is submitted again with that count: its seed comes from its id, so it
+runs to the same tokens, and those the consumer has are not sent twice.
 """
 
 from __future__ import annotations
@@ -68,6 +71,9 @@ class RayControllerClient:
         # Requests whose `submit` was answered: only these are resumed after a broken
         # stream (one still being submitted is sent again by its own `submit`).
         self._acked: set[str] = set()
+        # Each acked request as submitted: one the restarted controller cannot resume (not
+        # journaled yet, or no journal) is submitted again from it.
+        self._submitted: dict[str, tuple[list[int], SamplingParams, int, str]] = {}
         self._subscriber = ""
         self._pump_task: asyncio.Task[None] | None = None
         # Built here so that a bad value fails the constructor, not a later pump. One pump
@@ -75,6 +81,7 @@ class RayControllerClient:
         self.reconnect_backoff = Backoff(edge.reconnect_backoff_s, edge.reconnect_backoff_max_s)
         self.reconnect_timeout_s = edge.reconnect_timeout_s  # then every open request fails
         self.num_reconnects = 0
+        self.num_submitted_again = 0  # after a restart: not journaled, run again
 
     async def model_info(self) -> dict[str, Any]:
         return await self.handle.model_info.remote()
@@ -140,6 +147,7 @@ class RayControllerClient:
             # abort cannot overtake the admission (a no-op if it had already finished).
             self.abort(request_id)
         self._acked.add(request_id)
+        self._submitted[request_id] = (prompt_token_ids, params, priority, tenant)
         return ack, self._deltas(request_id, queue)
 
     def _start_over(self, request_id: str, queue: asyncio.Queue[Delta],
@@ -166,8 +174,12 @@ class RayControllerClient:
                     return
         finally:
             self._queues.pop(request_id, None)  # the consumer went away: drop the rest
-            self._num_delivered.pop(request_id, None)
-            self._acked.discard(request_id)
+            self._forget(request_id)
+
+    def _forget(self, request_id: str) -> None:
+        self._num_delivered.pop(request_id, None)
+        self._acked.discard(request_id)
+        self._submitted.pop(request_id, None)
 
     def _subscribe(self) -> str:
         if self._pump_task is None or self._pump_task.done():
@@ -225,14 +237,40 @@ class RayControllerClient:
             queues, self._queues = self._queues, {}
             self._num_delivered.clear()
             self._acked.clear()
+            self._submitted.clear()
             for request_id, queue in queues.items():
                 queue.put_nowait(Delta.failed(request_id, "the controller's delta stream ended"))
 
     async def _resume(self, subscriber: str, request_ids: list[str]) -> None:
+        """Each open request from the token its consumer is at: resumed from the journal,
+        else submitted again (its seed comes from its id: the same tokens)."""
+        from ray.exceptions import RayActorError
+
         positions = {rid: self._num_delivered.get(rid, 0) for rid in request_ids}
-        await self.handle.resume.remote(subscriber, positions)
+        resumed = await self.handle.resume.remote(subscriber, positions)
+        num_again = 0
+        for request_id, is_resumed in resumed.items():
+            submitted = self._submitted.get(request_id)
+            if is_resumed or submitted is None:
+                continue
+            prompt_token_ids, params, priority, tenant = submitted
+            try:
+                await self.handle.submit.remote(prompt_token_ids, params, request_id, priority,
+                                                tenant, subscriber, positions[request_id])
+                num_again += 1
+            except RayActorError:
+                raise  # died again: the pump resumes again
+            except Exception as err:  # refused (the queues are full): this one ends
+                queue = self._queues.pop(request_id, None)
+                self._forget(request_id)
+                if queue is not None:
+                    queue.put_nowait(Delta.failed(
+                        request_id, "the controller restarted and could not run this "
+                        f"request again: {_unwrap(err)}"))
         self.num_reconnects += 1
-        logger.warning("resumed %d request streams on the controller", len(positions))
+        self.num_submitted_again += num_again
+        logger.warning("resumed %d request streams on the controller (%d submitted again)",
+                       len(positions), num_again)
 
     def _dispatch(self, batch: Iterable[Delta]) -> None:
         for delta in batch:
@@ -240,8 +278,7 @@ class RayControllerClient:
             request_id = delta.request_id
             if delta.is_finished:
                 queue = self._queues.pop(request_id, None)
-                self._num_delivered.pop(request_id, None)
-                self._acked.discard(request_id)
+                self._forget(request_id)
             else:
                 queue = self._queues.get(request_id)
                 if queue is not None:

@@ -231,9 +231,11 @@ class ControllerActor:
 
     async def submit(self, prompt_token_ids: list[int], params: SamplingParams,
                      request_id: str, priority: int, tenant: str,
-                     subscriber: str) -> Ack:
+                     subscriber: str, num_delivered: int = 0) -> Ack:
         """Admit a request whose deltas go to `subscribe(subscriber)`. Raises ValueError
-        (never runnable) or QueueFullError (the queues are full) instead."""
+        (never runnable) or QueueFullError (the queues are full) instead. `num_delivered`:
+        sent again after a restart that could not resume it, its consumer already has
+        that many tokens (recomputed, not sent twice; neither are its prompt's scores)."""
         core = await self._started()
         sub = self.streams.subscriber(subscriber)
         # Idempotent by request id: a client whose submit was cut by a controller crash or
@@ -256,6 +258,9 @@ class ControllerActor:
             raise
         self.streams.request_metrics.on_admit(request)
         self.streams.attach(request.request_id, sub, worker)
+        if num_delivered > 0:
+            self.resumer.num_to_skip[request.request_id] = num_delivered
+            self.resumer.has_prompt_logprobs.add(request.request_id)
         return Ack(request.request_id, worker, request.num_prompt_tokens)
 
     async def subscribe(self, subscriber: str) -> AsyncIterator[DeltaBatch]:
@@ -276,9 +281,10 @@ class ControllerActor:
                      ) -> dict[str, bool]:
         """Attach requests to `subscriber` after a restart: each one's tokens from
         position `request_to_num_tokens[id]` on go to `subscribe(subscriber)`, journaled
-        ones at once, then new ones. A request this controller does not know (no journal,
-        or admitted too shortly before the crash to be journaled) gets an error delta.
-        Returns request id -> whether it was resumed."""
+        ones at once, then new ones. Returns request id -> whether it was resumed; one this
+        controller does not know (no journal, one that could not be read, or admitted too
+        shortly before the crash to be journaled) gets no delta: the caller `submit`s it
+        again with its `num_delivered`."""
         core = await self._started()
         sub = self.streams.subscriber(subscriber)
         return {request_id: self.streams.resume_stream(core, sub, request_id, num_delivered)

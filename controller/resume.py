@@ -51,8 +51,8 @@ class Resume:
         # Resumed echo requests whose consumer had a token, so their prompt's
         # log-probabilities (recomputed with the prompt) are not sent twice.
         self.has_prompt_logprobs: set[str] = set()
-        # Why the journal could not be read at start (Redis unreachable), else None: what a
-        # consumer that asks to resume is told.
+        # Why the journal could not be read at start (Redis unreachable), else None (in
+        # `stats()`; the edge submits its open requests again).
         self.journal_error: str | None = None
 
     async def open_journal(self) -> list[JournalRecord]:

@@ -17,7 +17,7 @@ import asyncio
 from collections.abc import Callable
 
 from controller.core import ControllerCore
-from controller.messages import Delta, DeltaBatch, FinishReason, RequestOutput, StepResult
+from controller.messages import Delta, DeltaBatch, RequestOutput, StepResult
 from controller.request_metrics import RequestMetrics
 from controller.resume import Resume
 
@@ -89,15 +89,13 @@ class Streams:
 
     def resume_stream(self, core: ControllerCore, sub: Subscriber, request_id: str,
                       num_delivered: int) -> bool:
-        """Attach one journaled request to `sub`, its tokens from `num_delivered` on."""
+        """Attach one journaled request to `sub`, its tokens from `num_delivered` on; False
+        when this controller has none of that id."""
         unclaimed = self.resume.unclaimed.pop(request_id, None)
         if unclaimed is None:
-            why = ("no journal, or admitted just before the crash"
-                   if self.resume.journal_error is None else
-                   f"the journal could not be read at restart: {self.resume.journal_error}")
-            sub.push(RequestOutput(
-                request_id, [], FinishReason.ABORT, 0, 0,
-                error=f"the controller restarted and cannot resume this request ({why})"))
+            # Not journaled (admitted just before the crash, no journal, or one that could
+            # not be read): nothing is pushed, the caller submits it again (its seed comes
+            # from its id, so it runs to the same tokens).
             return False
         self.resume.num_resumed_streams += 1
         tokens, last = unclaimed.token_ids, unclaimed.last

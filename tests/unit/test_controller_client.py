@@ -99,13 +99,14 @@ class ScriptedHandle:
         self.streams.put_nowait(stream)
         return stream
 
-    async def _resume(self, subscriber: str, positions: dict[str, int]) -> None:
+    async def _resume(self, subscriber: str, positions: dict[str, int]) -> dict[str, bool]:
         self.resume_calls.append(positions)
         self.resume_called.set()
         if self.resume_gate is not None:
             await self.resume_gate.wait()
         if self.resume_error is not None:
             raise self.resume_error
+        return dict.fromkeys(positions, True)  # as a controller whose journal held each
 
     async def next_stream(self) -> Stream:
         return await asyncio.wait_for(self.streams.get(), 10)

@@ -8,7 +8,8 @@ reproduces every token. `RestartableHandle` stands for the Ray handle of a resta
 subscribe streams break) and puts a fresh one behind the same handle. Shows: streams
 continue with no gap and no duplicate, also when the consumer already had tokens the
 journal had not written yet; a request the journal never held, or every request without a
-journal, ends with a clear error instead of hanging.
+journal, is submitted again by the edge and runs to the same tokens (one refused then ends
+with a clear error instead of hanging).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from controller.actor import ControllerActor
 from controller.journal import JournalConfig
 from controller.messages import Delta, SamplingParams
 from controller.options import ClusterConfig, ControllerOptions, WorkerConfig
+from controller.routing import QueueFullError
 from controller.scheduler import SchedulerConfig
 from controller.worker_loop import RecoveryConfig
 from tests.redis_server import RedisServer
@@ -175,22 +177,28 @@ def test_streams_resume_without_gap_or_duplicate_after_a_restart(server) -> None
         late = Stream(client, [9, 9, 9], "late", checkpoint.check)  # never journaled
         checkpoint.arm([*streams, late], 6)
         await checkpoint.reached.wait()
+        # Acked while the workers are held: no token, never journaled.
+        unstarted = Stream(client, [8, 8], "unstarted")
+        while "unstarted" not in client._acked:  # its ack is the condition
+            await asyncio.sleep(0)
         assert all(len(s.tokens) < PARAMS.max_tokens for s in streams)
         num_delivered = [len(s.tokens) for s in streams]
+        assert len(late.tokens) >= 6 and unstarted.tokens == []
         handle.crash()
         hold(workers, False)
-        await asyncio.gather(*(s.task for s in [*streams, late]))
+        await asyncio.gather(*(s.task for s in [*streams, late, unstarted]))
 
-        for stream, prompt in zip(streams, prompts, strict=True):
+        # The journaled ones resumed; the two it never held were submitted again and ran
+        # to the same tokens (their seeds come from their ids), none sent twice.
+        everyone = [*zip(streams, prompts, strict=True), (late, [9, 9, 9]), (unstarted, [8, 8])]
+        for stream, prompt in everyone:
             assert stream.tokens == expected_tokens(prompt), stream.request_id
             assert stream.deltas[-1].finish_reason == "length"
             assert all(d.error is None for d in stream.deltas)
         # Tokens the consumers had but the journal had not: recomputed, not resent.
         assert all(num > journaled[s.request_id]
                    for num, s in zip(num_delivered, streams, strict=True))
-        assert late.deltas[-1].finish_reason == "abort"
-        assert "cannot resume" in (late.deltas[-1].error or "")
-        assert client.num_reconnects == 1
+        assert client.num_reconnects == 1 and client.num_submitted_again == 2
         new = handle.actor
         stats = await new.stats()
         assert stats["num_resumed"] == 4 == stats["num_resumed_streams"]
@@ -204,9 +212,31 @@ def test_streams_resume_without_gap_or_duplicate_after_a_restart(server) -> None
     asyncio.run(asyncio.wait_for(main(), 30))
 
 
-def test_without_a_journal_open_streams_end_with_a_clear_error() -> None:
+class RefusingHandle(RestartableHandle):
+    """Refuses the submits sent again after a restart (those with a `num_delivered`) of
+    the ids in `refuse`, as a controller whose queues are full does."""
+
+    def __init__(self, make_actor: Any, refuse: set[str]) -> None:
+        super().__init__(make_actor)
+        self.refuse = refuse
+        self.refused: list[str] = []
+
+    def __getattr__(self, name: str) -> _LocalMethod:
+        if name == "submit":
+            return _LocalMethod(self._submit)
+        return super().__getattr__(name)
+
+    async def _submit(self, *args: Any) -> Any:
+        if len(args) > 6 and args[2] in self.refuse:
+            self.refused.append(args[2])
+            raise QueueFullError("all request queues are full")
+        return await self.actor.submit(*args)
+
+
+def test_without_a_journal_open_streams_run_again_to_the_same_tokens() -> None:
     async def main() -> None:
-        handle, workers = make_handle(None, "")
+        made, workers = make_handle(None, "")
+        handle = RefusingHandle(made.make_actor, {"r2"})
         client = RayControllerClient(handle, EdgeConfig(reconnect_backoff_s=0.001))
         checkpoint = Checkpoint(workers)
         streams = [Stream(client, [1 + i, 2, 3], f"r{i}", checkpoint.check) for i in range(3)]
@@ -215,9 +245,19 @@ def test_without_a_journal_open_streams_end_with_a_clear_error() -> None:
         handle.crash()
         hold(workers, False)
         await asyncio.gather(*(s.task for s in streams))
-        for stream in streams:
-            assert stream.deltas[-1].finish_reason == "abort"
-            assert "cannot resume" in (stream.deltas[-1].error or "")
+        # Each consumer had 2+ tokens: the requests ran again from their prompts and the
+        # consumers got the rest, none twice.
+        for stream in streams[:2]:
+            assert stream.tokens == expected_tokens(stream.prompt), stream.request_id
+            assert stream.deltas[-1].finish_reason == "length"
+            assert all(d.error is None for d in stream.deltas)
+        # One refused when sent again ends with a clear error, no hang.
+        assert handle.refused == ["r2"]
+        refused = streams[2]
+        assert refused.deltas[-1].finish_reason == "abort"
+        assert "could not run this request again: all request queues are full" in \
+            (refused.deltas[-1].error or "")
+        assert client.num_submitted_again == 2
         # The restarted controller serves new requests.
         fresh = Stream(client, [4, 5, 6], "fresh")
         await fresh.task
