@@ -17,7 +17,8 @@ chunk and up to `plan_decodes` decodes (default: the largest calibrated batch) a
 context `plan_decode_context_tokens` (default: the deepest calibrated decode context, where
 running requests decode; not the chunk's depth) in the step keeps
 - the fitted step time under the ITL SLO,
-- FLOPs / measured peak under the SLO (compute),
+- FLOPs / measured peak under the SLO (compute; the peak is the GEMM probe's, or the
+  model's own rate on the sweep's chunks where that is higher),
 - bytes / (measured bandwidth * (1 - headroom)) under the SLO (bandwidth; the weight
   term scaled by weight_bits / measured bits, i.e. by bits/16 against a 16-bit checkpoint),
 - the chunk and its context fit in the KV blocks that could be allocated (kv_capacity),
@@ -129,6 +130,12 @@ class BudgetTable:
         self.stats, self.hw, self.kv = stats, data["hardware"], data["kv"]
         self.bytes_fit, self.limits = fit["bytes"], data["limits"]
         self.max_tokens = max(p["tokens"] for p in data["prefill"])
+        # The compute roofline's peak: the probe's GEMM, or the model's own measured rate
+        # where that is faster (a packed or fused kernel beats the probe's plain matmul;
+        # with the probe alone, the bound would forbid steps the sweep has just run).
+        self.peak_flops = max(self.hw["peak_flops"], *(
+            self._flops(pad(p["tokens"], self.tile), p["context"]) / _typical_s(p)
+            for p in data["prefill"]))
         # Tables written before decodes were priced at their own depth lack the key.
         self.decode_context = self.limits.get("plan_decode_context_tokens", max(
             d["context"] for d in data["decode"]))
@@ -252,13 +259,18 @@ class BudgetTable:
         marginal = dec.b * decode_tokens + dec.c * decode_tokens * (decode_context + 1.0)
         return self.predict(prefill_tokens, context) + marginal
 
+    def _flops(self, tokens: int, context: int) -> float:
+        """FLOPs of a chunk of (padded) `tokens` after `context` tokens, no sampling."""
+        s = self.stats
+        return s["flops_per_token"] * tokens + s["flops_per_pair"] * chunk_pairs(tokens, context)
+
     def compute_s(self, prefill_tokens: int, context: int, decodes: int = 0,
                   decode_context: int | None = None) -> float:
         t = pad(prefill_tokens, self.tile)
         s, dctx = self.stats, context if decode_context is None else decode_context
-        flops = s["flops_per_token"] * (t + decodes) + s["flops_per_sample"] * decodes
-        flops += s["flops_per_pair"] * (chunk_pairs(t, context) + decodes * (dctx + 1.0))
-        return flops / self.hw["peak_flops"]
+        flops = self._flops(t, context) + s["flops_per_token"] * decodes
+        flops += s["flops_per_sample"] * decodes + s["flops_per_pair"] * decodes * (dctx + 1.0)
+        return flops / self.peak_flops
 
     def bandwidth_s(self, prefill_tokens: int, context: int, decodes: int = 0,
                     decode_context: int | None = None) -> float:

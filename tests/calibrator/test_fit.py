@@ -136,6 +136,21 @@ def test_fewer_planned_decodes_never_shrink_the_budget() -> None:
         assert table.recommend(slo, decodes=0)[0] >= table.recommend(slo)[0]
 
 
+def test_a_probe_slower_than_the_model_does_not_bind() -> None:
+    """The GEMM probe can run below the model's own kernels (packed, fused): the compute
+    bound then takes the model's measured rate, so no step the sweep ran is out of bounds."""
+    slow_probe = synthetic()
+    # The model's chunks run at 1e7 / 5e-5 = 2e11 FLOP/s and more; the probe says 2e10.
+    slow_probe["hardware"]["peak_flops"] = 2e10
+    table, fair = build(slow_probe), build(synthetic())
+    assert 2e11 <= table.peak_flops < 1e14 and fair.peak_flops == 1e14
+    for p in slow_probe["prefill"]:
+        assert table.compute_s(p["tokens"], p["context"]) <= p["median_s"] * (1 + 1e-9)
+    detail = table.recommend_detail(50.0)
+    assert "compute" not in detail["limited_by"]
+    assert detail["max_num_batched_tokens"] == fair.recommend_detail(50.0)["max_num_batched_tokens"]
+
+
 def test_kv_capacity_binds_and_is_reported() -> None:
     table = build(synthetic(kv_tokens=4096 + 256))  # planning depth 4096: 256 tokens left
     detail = table.recommend_detail(1000.0)
