@@ -7,7 +7,9 @@ Each input line is `{"custom_id", "method", "url", "body"}`; each output line an
 one `custom_id` with a response body or an error. A malformed line gets an error line
 and the rest of the file still runs. Resumable: lines whose `custom_id` is already in
 OUT are skipped and new lines are appended, each flushed as its request finishes.
-Without `--local` the requests go to a running tokenflow Ray cluster (`ray job submit`).
+Without `--local` the requests go to a running tokenflow Ray cluster (`ray job submit`):
+to its controller, or where none runs and the job has one worker, to an engine the job runs
+in one Ray task on its node (cluster/task_batch.py).
 """
 
 from __future__ import annotations
@@ -18,135 +20,18 @@ import json
 import resource
 import sys
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass
-from functools import partial
-from typing import TYPE_CHECKING, TextIO
 
-from cluster import protocol as p
 from cluster.batch_config import OWN_CONTROLLER_SECTIONS
 from cluster.batch_io import (
-    Progress,
     check_location,
     iter_input_lines,
-    new_counts,
     open_output,
     prepare_resume,
-    read_items,
     summary,
-    write_answer,
-    write_error,
     write_text,
 )
-from cluster.choices import choices_body
 from cluster.config import BUDGET_FIELD, TokenflowConfig, nest
-from cluster.frontend import Frontend, Prepared, TextStream
-from controller.choices import choice_params, choice_request_id
-from controller.messages import FinishReason
-
-if TYPE_CHECKING:
-    from cluster.engine import LocalEngine
-
-
-@dataclass
-class Job:
-    """One input line: its choices (`n`, `best_of`), each an engine request of its own."""
-
-    custom_id: str
-    prepared: Prepared
-    request_id: str  # choice 0's, the response's id
-    streams: list[TextStream]
-    reasons: list[FinishReason | None]
-    num_open: int
-
-    def body(self, frontend: Frontend) -> dict:
-        if len(self.streams) == 1:
-            return frontend.response(self.prepared, self.request_id, self.streams[0],
-                                     self.reasons[0])
-        return choices_body(frontend, self.prepared, self.request_id,
-                            list(zip(self.streams, self.reasons, strict=True)))
-
-
-def _add_choices(engine: LocalEngine, frontend: Frontend, custom_id: str,
-                 prepared: Prepared) -> Job:
-    """Every choice of a line into the engine (choice 0 first: the others share its
-    prompt's blocks); ValueError (nothing left admitted) when the engine refuses one."""
-    num_choices = prepared.request.num_choices
-    request_ids: list[str] = []
-    try:
-        for index in range(num_choices):
-            params = prepared.params if index == 0 else \
-                choice_params(prepared.params, request_ids[0], index)
-            request_ids.append(engine.add_request(
-                prepared.prompt_token_ids, params,
-                None if index == 0 else choice_request_id(request_ids[0], index),
-                priority=prepared.priority))
-    except ValueError:
-        for request_id in request_ids:
-            engine.abort(request_id)
-        raise
-    return Job(custom_id, prepared, request_ids[0],
-               [frontend.text_stream(prepared) for _ in range(num_choices)],
-               [None] * num_choices, num_choices)
-
-
-def run_local(lines: Iterable[str], out: TextIO, config: TokenflowConfig,
-              done_ids: set[str], progress: bool = True) -> dict[str, int]:
-    from cluster.engine import LocalEngine
-
-    started = time.perf_counter()
-    engine = LocalEngine(config)
-    tokenizer = engine.worker.tokenizer
-    frontend = Frontend(tokenizer, config, engine.worker.vocab_size)
-    counts = new_counts()
-    counts["startup_ms"] = round(1e3 * (time.perf_counter() - started))
-    # engine request id -> (its line's job, its choice index)
-    choices: dict[str, tuple[Job, int]] = {}
-    bar = Progress(progress)
-
-    def step() -> None:
-        for output in engine.step():
-            found = choices.get(output.request_id)
-            if found is None:
-                continue
-            job, index = found
-            stream = job.streams[index]
-            _, reason = stream.advance(stream.take_scores(output), output.finish_reason,
-                                       partial(engine.abort, output.request_id,
-                                               FinishReason.STOP))
-            if reason is None:
-                continue
-            del choices[output.request_id]
-            job.reasons[index] = reason
-            job.num_open -= 1
-            if job.num_open == 0:
-                write_answer(out, job.custom_id, job.body(frontend), counts, bar)
-        if choices and not engine.has_unfinished():
-            raise RuntimeError("engine went idle with unfinished batch requests")
-
-    # Streamed like the cluster runner: at most batch.max_in_flight requests in the engine
-    # (its queue is bounded, and a long input must not be held in memory).
-    first_request_at: float | None = None
-    for custom_id, prepared in read_items(lines, frontend, done_ids, out, counts):
-        if first_request_at is None:
-            first_request_at = time.perf_counter()
-        while len(choices) >= config.batch.max_in_flight:
-            step()
-        try:
-            job = _add_choices(engine, frontend, custom_id, prepared)
-        except ValueError as err:  # the engine refused it (KV capacity)
-            write_error(out, custom_id, p.ProtocolError(400, str(err)), counts)
-            continue
-        for index in range(len(job.streams)):
-            choices[choice_request_id(job.request_id, index)] = (job, index)
-        bar.add_total(1)
-    while choices:
-        step()
-    if first_request_at is not None:
-        counts["generation_ms"] = round(1e3 * (time.perf_counter() - first_request_at))
-    bar.close()
-    engine.check_integrity()
-    return counts
+from cluster.local_batch import run_local
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -173,6 +58,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--rows-per-shard", type=int, help="batch.rows_per_shard")
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                     default=None)
+    ap.add_argument("--engine-in-task", action=argparse.BooleanOptionalAction, default=None,
+                    help="batch.engine_in_task: with no controller running and one worker, "
+                    "run the engine in one Ray task on this node (default) instead of "
+                    "starting a controller for the job")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument("--no-calibrate", action="store_true", help=(
         "fixed budgets: no budget table loaded or measured at start (calibration.auto)"))
@@ -188,6 +77,7 @@ def config_from_args(args: argparse.Namespace) -> TokenflowConfig:
         "cache.enable_prefix_caching": args.enable_prefix_caching,
         "batch.max_in_flight": args.max_in_flight,
         "batch.rows_per_shard": args.rows_per_shard,
+        "batch.engine_in_task": args.engine_in_task,
         "calibration.auto": False if args.no_calibrate else None}))
     return offline_config(config)
 
@@ -226,16 +116,27 @@ def main(argv: list[str] | None = None) -> int:
                                            progress=not args.no_progress)
         summary_at = output.rstrip("/") + "/summary.json"
     else:
-        done_ids, num_retried = prepare_resume(output)
-        with open_output(output) as out:
-            lines = iter_input_lines(inp)
-            if args.local:
-                counts = run_local(lines, out, config, done_ids, progress=not args.no_progress)
-            else:
-                from cluster.remote_batch import run_remote
+        controller = None
+        if not args.local:
+            from cluster.remote_batch import find_controller
+            from cluster.task_batch import run_in_task, should_run_in_task
 
-                counts = run_remote(lines, out, config, done_ids,
-                                    progress=not args.no_progress)
+            controller = find_controller(config)
+        if not args.local and should_run_in_task(config, controller is not None):
+            counts, num_retried = run_in_task(inp, output, config,
+                                              progress=not args.no_progress)
+        else:
+            done_ids, num_retried = prepare_resume(output)
+            with open_output(output) as out:
+                lines = iter_input_lines(inp)
+                if args.local:
+                    counts = run_local(lines, out, config, done_ids,
+                                       progress=not args.no_progress)
+                else:
+                    from cluster.remote_batch import run_remote
+
+                    counts = run_remote(lines, out, config, done_ids,
+                                        progress=not args.no_progress, controller=controller)
         summary_at = output + ".summary.json"
     result = summary(counts, num_retried, time.perf_counter() - start)
     # This process's peak RSS: what streaming keeps bounded however long the input is.

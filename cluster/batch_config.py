@@ -51,6 +51,15 @@ class BatchConfig:
         "(a job that starts its own controller loads the model first). Was "
         "batch.ready_wait_s, renamed: cluster.ready_wait_s is another wait (a request's for "
         "the controller's answer)."))
+    engine_in_task: bool = setting(True, description=(
+        "A job on a cluster with no tokenflow controller, for one worker "
+        "(worker.num_workers 1), runs its engine in one Ray task on the driver's node that "
+        "holds one worker's resources (cluster/task_batch.py): no controller, no per-step "
+        "calls between processes. False, or another case: the job starts a controller "
+        "(owned by the job) and streams its requests through it."))
+    task_max_retries: int = setting(3, ge=0, description=(
+        "Times Ray runs the engine's task again when its process dies "
+        "(batch.engine_in_task); each run resumes after the answered lines."))
     rows_per_shard: int = setting(10_000, ge=1, description=(
         "Output lines per shard file of `--ray-data` (a shard is closed and listed in the "
         "manifest when full)."))

@@ -39,21 +39,32 @@ from controller.routing import NoWorkerUpError, QueueFullError
 logger = logging.getLogger(__name__)
 
 
-def connect_controller(config: TokenflowConfig) -> Any:
-    """The running cluster's controller; one is created (owned by this job, so it lives
-    only as long as the job) when the cluster has none yet."""
+def find_controller(config: TokenflowConfig) -> Any:
+    """The running cluster's controller in the configured namespace, or None (connects to
+    the cluster first)."""
     import ray
 
-    from controller.actor import CONTROLLER_NAME, get_or_create_controller
+    from controller.actor import CONTROLLER_NAME
 
     if not ray.is_initialized():
         ray.init(address="auto", namespace=config.cluster.namespace)
     try:
         return ray.get_actor(CONTROLLER_NAME, namespace=config.cluster.namespace)
     except ValueError:
-        logger.warning("no %s in namespace %s: starting one for this job", CONTROLLER_NAME,
-                       config.cluster.namespace)
-        return get_or_create_controller(own_controller_config(config).controller_options())
+        return None
+
+
+def connect_controller(config: TokenflowConfig) -> Any:
+    """The running cluster's controller; one is created (owned by this job, so it lives
+    only as long as the job) when the cluster has none yet."""
+    from controller.actor import CONTROLLER_NAME, get_or_create_controller
+
+    controller = find_controller(config)
+    if controller is not None:
+        return controller
+    logger.warning("no %s in namespace %s: starting one for this job", CONTROLLER_NAME,
+                   config.cluster.namespace)
+    return get_or_create_controller(own_controller_config(config).controller_options())
 
 
 def own_controller_config(config: TokenflowConfig) -> TokenflowConfig:

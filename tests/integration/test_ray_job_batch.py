@@ -145,9 +145,11 @@ def stop_head(head: subprocess.Popen) -> None:
     psutil.wait_procs(alive, timeout=15)
 
 
-def submit(env: dict[str, str], prelude: str) -> subprocess.CompletedProcess:
+def submit(env: dict[str, str], prelude: str, *flags: str) -> subprocess.CompletedProcess:
+    """The README's job (its batch command with `flags` appended) and its summary."""
     lines = readme_lines()
     (job,) = pick(lines, ".venv/bin/ray job submit ")
+    job = " ".join([job, *flags])
     (cat,) = pick(lines, "cat ")
     return subprocess.run(["bash", "-c", f"{prelude}\n{job}\n{cat}"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=420)
@@ -166,6 +168,9 @@ def test_readme_ray_job_submit_and_resume(ray_head: tuple[dict[str, str], str],
     proc = submit(env, prelude)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "tok/s" in proc.stdout + proc.stderr  # the progress bar, from the job log
+    # No controller on the head, one worker: the engine ran in one task, none started.
+    assert "the engine runs in one task" in proc.stdout + proc.stderr
+    assert "starting one for this job" not in proc.stdout + proc.stderr
     summary = summary_of(proc)
     assert summary["completed"] == NUM_REQUESTS
     assert summary["failed_by_code"] == {"400": 1}
@@ -187,13 +192,15 @@ def test_readme_ray_job_submit_and_resume(ray_head: tuple[dict[str, str], str],
     assert cluster_ids == token_ids(local_out)
     assert all(len(ids) == 6 for ids in cluster_ids.values())
 
-    # Resume: drop every other answer and resubmit the same command.
+    # Resume: drop every other answer and resubmit the command, this time through a
+    # controller the job starts (the path of more than one worker): the same tokens.
     kept = [line for i, line in enumerate(out.read_text().splitlines()) if i % 2 == 0]
     out.write_text("".join(line + "\n" for line in kept))
     num_kept = sum(1 for line in kept if json.loads(line)["custom_id"] is not None)
     bad_kept = len(kept) - num_kept  # the malformed line's answer, if its line was kept
-    proc = submit(env, prelude)
+    proc = submit(env, prelude, "--no-engine-in-task")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "starting one for this job" in proc.stdout + proc.stderr
     summary = summary_of(proc)
     assert summary["skipped"] == num_kept + bad_kept  # a kept error line is not redone
     assert summary["completed"] == NUM_REQUESTS - num_kept

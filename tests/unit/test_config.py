@@ -214,6 +214,8 @@ def test_batch_cli_sets_the_batch_section_and_the_offline_step(
     config = config_from_args(parse_args([*args, "--max-in-flight", "3",
                                           "--rows-per-shard", "9"]))
     assert (config.batch.max_in_flight, config.batch.rows_per_shard) == (3, 9)
+    assert config.batch.engine_in_task  # the default; the flag turns it off
+    assert not config_from_args(parse_args([*args, "--no-engine-in-task"])).batch.engine_in_task
     # One key set in the env is merged over the default profile, not in place of it.
     assert config.batch.overrides["worker"] == {"num_threads": -1}
     # The offline step comes from the batch profile unless the scheduler's is set.
