@@ -78,8 +78,8 @@ class BatchRunner:
     """The `ray job submit` batch path (docs/batch.md's recipe): every round starts a Ray
     head of its own (so that its idle daemons cost the other engines' rounds nothing),
     writes the prompts as an OpenAI Batch file of token-id prompts, submits
-    `python -m cluster.batch` as a job that starts its own controller with the batch
-    profile's defaults, and stops the head. The job's summary times its start-up
+    `python -m cluster.batch` as a job (no controller runs on the head, so its engine runs
+    in one task: cluster/task_batch.py), and stops the head. The job's summary times its start-up
     (controller and model) apart from its generation (first request to last answer)."""
 
     def __init__(self, model: str, dtype: str) -> None:
