@@ -17,8 +17,9 @@ GCS's node table, the controller's `wait_workers_up`, its stats), never on time.
 4. The same 16 while the controller's node is removed: Ray restarts the controller on the
    spare, which resumes every request from Redis.
 5. Redis's node is lost (the server killed) while the controller lives: the same 16 lose
-   nothing. Then, Redis still gone, the controller's node too (a new spare there): every
-   open stream ends with an error that says the journal could not be read, none hangs;
+   nothing. Then, Redis still gone, the controller's node too (a new spare there): the
+   restarted controller reads no journal, the edge sends every open request again and
+   each runs to the same tokens;
    once Redis is back (empty) the restarted controller serves the same 16 again.
 """
 

@@ -79,7 +79,9 @@ def test_load_driven_scaling_shrinks_when_idle_and_grows_under_a_queue(observed)
     assert events[("down", "idle")] >= 1 and events[("up", "queue")] >= 1
     assert "removed" in scaling["states"] and "serving" in scaling["states"]
     reference = observed["reference"]
-    for got, ref in zip(scaling["streams"], reference + reference, strict=True):
+    assert scaling["num_waves"] >= 1  # of every prompt twice, until the pool grew
+    for got, ref in zip(scaling["streams"], (reference + reference) * scaling["num_waves"],
+                        strict=True):
         assert got["error"] is None and got["token_ids"] == ref["token_ids"]
 
 

@@ -8,8 +8,8 @@ not the controller's; losing a worker node mid-stream loses no stream and change
 worker's requests; a node that joins gets the lost worker back and requests again; losing
 the controller's node does the same, the controller restarted on a spare node resuming
 from Redis; losing Redis's node loses nothing while the controller lives, and when the
-controller's node dies too, every open stream ends with an error that names the journal
-(docs/failures.md); no KV block leaks.
+controller's node dies too (no journal to read), the edge sends every open request again
+and each runs to the same tokens (docs/failures.md); no KV block leaks.
 """
 
 from __future__ import annotations
@@ -86,20 +86,17 @@ def test_redis_lost_with_its_node_loses_nothing_while_the_controller_lives(obser
     assert observed["journal_while_redis_lost"]["num_pauses"] >= 1
 
 
-def test_the_controller_node_lost_while_redis_is_lost_ends_open_streams_with_an_error(
+def test_the_controller_node_lost_while_redis_is_lost_runs_open_streams_again(
     observed,
 ) -> None:
+    """The restarted controller could read no journal (it resumed nothing): the edge sent
+    every open request again, and each ran to the undisturbed run's tokens."""
     lost = observed["controller_and_redis_lost"]
     assert lost["pid_changed"] and lost["num_resumed"] == 0
     assert observed["journal_error"] is not None
-    failed = 0
     for got, ref in zip(lost["streams"], observed["reference"], strict=True):
-        if got["error"] is None:  # its submit was cut by the crash and sent again
-            assert got["token_ids"] == ref["token_ids"]
-        else:
-            assert "the journal could not be read" in got["error"], got["error"]
-            failed += 1
-    assert failed > 0  # the streams open at the loss
+        assert got["error"] is None, got["error"]
+        assert got["token_ids"] == ref["token_ids"]
     # Once Redis is back, empty, the restarted controller serves as before.
     _assert_same_as_reference(observed, observed["after_redis_back"])
 

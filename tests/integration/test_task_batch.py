@@ -26,7 +26,7 @@ def write_input(path: Path) -> None:
     """Lines of growing length: answers come one after another, so the kill lands mid-run."""
     rows = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
              "body": {"model": "builtin:tiny", "prompt": f"line {i} of the batch, {i * 13}",
-                      "max_tokens": 8 + 6 * i, "temperature": 0, "ignore_eos": True,
+                      "max_tokens": 16 + 12 * i, "temperature": 0, "ignore_eos": True,
                       "return_token_ids": True}} for i in range(NUM_LINES)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
