@@ -133,12 +133,18 @@ def device_name(device: torch.device) -> str:
 
 
 def worker_identity(worker: Worker) -> dict[str, str]:
-    """What the spec does not say about the worker and what changes its step times."""
-    return {"model_config_sha256": model_config_sha256(worker),
-            "device_name": device_name(worker.device),
-            "attention_backend": type(worker.backend).__name__,
-            "cuda_graphs": str(worker.graphs is not None),
-            "torch": torch.__version__}
+    """What the spec does not say about the worker and what changes its step times (on a
+    CPU, the C++ kernels' sources: a kernel made faster times the steps anew)."""
+    identity = {"model_config_sha256": model_config_sha256(worker),
+                "device_name": device_name(worker.device),
+                "attention_backend": type(worker.backend).__name__,
+                "cuda_graphs": str(worker.graphs is not None),
+                "torch": torch.__version__}
+    if worker.device.type == "cpu":
+        from workers.kernels.cpu_ops import source_digest
+
+        identity["cpu_kernels"] = source_digest()
+    return identity
 
 
 def worker_budget_table(worker: Worker, model: str, dtype: str, request: AutoBudget,

@@ -26,6 +26,7 @@ from workers import auto_budget
 from workers.auto_budget import cache_key, load_or_calibrate, worker_budget_table
 from workers.budget_file import load_budget_table
 from workers.calibrate import CalibrationSpec, Calibrator
+from workers.kernels import cpu_ops as cpu_ops_module
 from workers.worker import Worker
 
 Measure = Callable[[CalibrationSpec], dict[str, Any]]
@@ -42,7 +43,7 @@ BASE_SPEC = CalibrationSpec.of(
     device="cpu", block_size=16, tile_tokens=16, threads=1)
 BASE_IDENTITY = {"model_config_sha256": "0" * 64, "device_name": "cpu Example 9000",
                  "attention_backend": "TorchBackend", "cuda_graphs": "False",
-                 "torch": "2.0.0"}
+                 "torch": "2.0.0", "cpu_kernels": "0" * 16}
 # One other value per key input; every field of the spec must be here.
 SPEC_CHANGES: dict[str, Any] = {
     "model": "/models/other", "dtype": "bfloat16", "device": "cuda", "threads": 2,
@@ -51,7 +52,7 @@ SPEC_CHANGES: dict[str, Any] = {
     "matmul_size": 512, "bandwidth_bytes": 2**20, "memory_fraction": 0.5}
 IDENTITY_CHANGES = {"model_config_sha256": "1" * 64, "device_name": "cpu Example 9001",
                     "attention_backend": "TritonBackend", "cuda_graphs": "True",
-                    "torch": "2.0.1"}
+                    "torch": "2.0.1", "cpu_kernels": "1" * 16}
 
 
 def fake_measure(table_path: Path) -> tuple[list[CalibrationSpec], Measure]:
@@ -204,9 +205,14 @@ def test_engine_measures_on_its_own_worker_once(tmp_path: Path,
     assert spec["threads"] == torch.get_num_threads() and spec["device"] == "cpu"
     assert spec["warmup"] == QUICK_RUN["warmup"] and max(spec["prefill_tokens"]) <= 512
     assert engine.scheduler.step_cost == table.step_cost()
+    # The CPU kernels' sources are part of the key: other kernels time the steps anew.
+    assert table.data["cache_key"]["identity"]["cpu_kernels"] == cpu_ops_module.source_digest()
     again = LocalEngine(TokenflowConfig(**settings))
     assert len(runs) == 1  # loaded, not measured
     assert again.scheduler.step_cost == table.step_cost()
+    monkeypatch.setattr(cpu_ops_module, "source_digest", lambda: "f" * 16)
+    LocalEngine(TokenflowConfig(**settings))
+    assert len(runs) == 2 and len(list(tmp_path.glob("*.json"))) == 2
     cfg = again.config
     assert again.scheduler.config == budgeted_scheduler(cfg.scheduler, table, cfg.calibration,
                                                         cfg.slo, cfg.cache)

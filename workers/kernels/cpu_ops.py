@@ -31,6 +31,16 @@ SOURCES = (Path(__file__).parent / "csrc" / "cpu_attention.cpp",
 HEADERS = (Path(__file__).parent / "csrc" / "cpu_vec.h",)
 
 
+@functools.cache
+def source_digest() -> str:
+    """A digest of the kernels' sources: a budget table measured with other kernels (their
+    step times) is not this build's (workers/auto_budget.py keys its cache with it)."""
+    digest = hashlib.sha256()
+    for path in (*SOURCES, *HEADERS):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def cpu_tag() -> str:
     """A key of this CPU and torch: the CPU's model name and feature flags, torch's version and
     folder (a `-march=native` build linked against one libtorch is valid only there)."""

@@ -21,6 +21,10 @@
 
 #include "cpu_vec.h"
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 bool decode_attention_fp32(const float* q, int64_t q_row_stride, const float* k_cache,
                            const float* v_cache, const int64_t* block_table,
                            const int64_t* seq_lens, float* out, int64_t num_seqs,
@@ -151,12 +155,15 @@ void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
 // kKeys with an online softmax (running max and sum, rescaled as the max grows), so the
 // scores are never materialised. Each key tile is read once per item and used by all of its
 // query vectors, in register blocks of GCC vector types as wide as the machine's registers
-// (-march=native; a type wider than them compiles to code 15x slower): with AVX-512 scores
-// of 8 vectors x 32 keys and p @ V of 256 / HD vectors x HD values, 16 accumulators each,
-// what its 32 registers hold; with AVX2's 16 registers, 8 accumulators each.
-// torch's SDPA reached about a third of this CPU's GEMM rate on these shapes.
+// (-march=native; a type wider than them compiles to code 15x slower). A block of kQueries
+// query vectors goes through its scores (kQueries x kKeyVecs accumulators), their softmax
+// while they are still in registers (maxima and sums by lane shuffles), and p @ V (kValueFloats
+// accumulated floats at a time) before the next block starts, so its weights never leave L1.
+// With AVX-512 each block of 4 vectors sees 64 keys at a time: the per-vector softmax work
+// (reductions, the running max's rescale) is paid once per 64 keys, not per 32, which with
+// 8 vectors x 32 keys and separate passes over the scores had cost as much as the FMAs.
 #if defined(__AVX512F__)
-constexpr int64_t kQueries = 8;  // query vectors per block of the score product
+constexpr int64_t kQueries = 4;  // query vectors per block
 constexpr int64_t kValueFloats = 256;  // accumulated floats per block of p @ V
 #elif defined(__AVX__)
 constexpr int64_t kQueries = 2;
@@ -166,8 +173,8 @@ constexpr int64_t kQueries = 2;
 constexpr int64_t kValueFloats = 32;
 #endif
 constexpr int64_t kRows = 32;  // query rows per item
-constexpr int64_t kKeys = 32;  // keys per tile
-constexpr int64_t kKeyVecs = kKeys / kWidth;
+constexpr int64_t kKeyVecs = 4;  // registers of scores per query vector
+constexpr int64_t kKeys = kKeyVecs * kWidth;  // keys per tile: 64 with AVX-512
 
 inline veci lanes() {
   veci v;
@@ -175,32 +182,125 @@ inline veci lanes() {
   return v;
 }
 
+template <int32_t S>
+inline vecf swap_lanes(vecf v) {  // lane i gets lane i ^ S
+  veci m;
+  for (int32_t i = 0; i < kWidth; ++i) m[i] = i ^ S;
+  return __builtin_shuffle(v, m);
+}
+
+inline vecf vmax(vecf a, vecf b) { return a > b ? a : b; }
+
+inline float reduce_max(vecf v) {
+  if constexpr (kWidth >= 16) v = vmax(v, swap_lanes<8>(v));
+  if constexpr (kWidth >= 8) v = vmax(v, swap_lanes<4>(v));
+  v = vmax(v, swap_lanes<2>(v));
+  return std::max(v[0], v[1]);
+}
+
+inline float reduce_sum(vecf v) {
+  if constexpr (kWidth >= 16) v += swap_lanes<8>(v);
+  if constexpr (kWidth >= 8) v += swap_lanes<4>(v);
+  v += swap_lanes<2>(v);
+  return v[0] + v[1];
+}
+
+// 2^x for x <= 0 (the chunk kernel's scores are in log2 units, less their running max): x =
+// n + r with n = round(x), 2^r for |r| <= 1/2 by its degree-7 Taylor polynomial (relative error
+// under 1e-8, below fp32's rounding), 2^n applied to the exponent. With AVX-512 the rounding
+// and the scaling are one instruction each (vrndscaleps, vscalefps), 9 operations in all:
+// the exp was a third of the kernel's time at 19.
+inline vecf exp2v_nonpositive(vecf x) {
+#if defined(__AVX512F__)
+  const vecf n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+  x = x < -126.f ? vecf{} - 126.f : x;
+  const vecf n = (x + 12582912.0f) - 12582912.0f;
+#endif
+  const vecf r = x - n;
+  vecf p = vecf{} + 1.5252733804e-5f;
+  p = p * r + 1.5403530393e-4f;
+  p = p * r + 1.3333558146e-3f;
+  p = p * r + 9.6181291076e-3f;
+  p = p * r + 5.5504108665e-2f;
+  p = p * r + 2.4022650696e-1f;
+  p = p * r + 6.9314718056e-1f;
+  p = p * r + 1.0f;
+#if defined(__AVX512F__)
+  return _mm512_scalef_ps(p, n);
+#else
+  const veci bits = (__builtin_convertvector(n, veci) + 127) << 23;
+  vecf scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+#endif
+}
+
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2 = 0.693147180559945309f;
+
 template <typename T, int64_t HD>
 void chunk_attention_impl(const T* q, int64_t q_row_stride, const T* k_cache, const T* v_cache,
                           const int64_t* table, int64_t ctx, int64_t n, T* out,
                           int64_t out_row_stride, int64_t num_heads, int64_t num_kv_heads,
                           int64_t block_size, float scale) {
-  constexpr int64_t kValueQueries = kValueFloats / HD > 0 ? kValueFloats / HD : 1;
-  constexpr int64_t kBlock = kQueries > kValueQueries ? kQueries : kValueQueries;
+  constexpr int64_t kHdVecs = HD / kWidth;
+  // Query vectors per sub-block of p @ V: kValueFloats / HD, within one block.
+  constexpr int64_t kValueQueries = std::min<int64_t>(
+      kQueries, kValueFloats / HD > 0 ? kValueFloats / HD : 1);
+  static_assert(kQueries % kValueQueries == 0);
   const int64_t group = num_heads / num_kv_heads;
   const int64_t slot_stride = num_kv_heads * HD;
   const int64_t num_tiles = (n + kRows - 1) / kRows;
   // Query vectors of an item, rounded up to whole blocks (padding vectors are zero).
-  const int64_t max_vectors = (kRows * group + kBlock - 1) / kBlock * kBlock;
+  const int64_t max_vectors = (kRows * group + kQueries - 1) / kQueries * kQueries;
+  const float log2_scale = scale * kLog2e;  // scores in log2 units: the softmax uses 2^x
+  // Every key tile transposed once per call (kt_all[kv][tile][d][j], zero past ctx), shared
+  // by the items of all row tiles; other dtypes' value rows converted once (vt_all[kv][key]).
+  const int64_t num_key_tiles = (ctx + kKeys - 1) / kKeys;
+  std::vector<float> kt_all(num_kv_heads * num_key_tiles * HD * kKeys), vt_all;
+  if constexpr (!std::is_same_v<T, float>) vt_all.resize(num_kv_heads * ctx * HD);
+  at::parallel_for(0, num_kv_heads * num_key_tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t kv = t / num_key_tiles, k0 = (t % num_key_tiles) * kKeys;
+      float* kt = kt_all.data() + t * HD * kKeys;
+      const int64_t tk = std::min(kKeys, ctx - k0);
+      for (int64_t j = 0; j < kKeys; ++j) {
+        if (j >= tk) {
+          for (int64_t d = 0; d < HD; ++d) kt[d * kKeys + j] = 0.f;
+          continue;
+        }
+        const int64_t key = k0 + j;
+        const int64_t slot = (table[key / block_size] * block_size + key % block_size) *
+                             slot_stride + kv * HD;
+        const T* krow = k_cache + slot;
+        for (int64_t d = 0; d < HD; ++d) kt[d * kKeys + j] = static_cast<float>(krow[d]);
+        if constexpr (!std::is_same_v<T, float>) {
+          const T* vrow = v_cache + slot;
+          float* dst = vt_all.data() + (kv * ctx + key) * HD;
+          for (int64_t d = 0; d < HD; ++d) dst[d] = static_cast<float>(vrow[d]);
+        }
+      }
+    }
+  });
   at::parallel_for(0, num_kv_heads * num_tiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(max_vectors * HD), acc(max_vectors * HD), kt(HD * kKeys),
-        vt(kKeys * HD), p(max_vectors * kKeys), peak(max_vectors), total(max_vectors);
+    std::vector<float> qf(max_vectors * HD), acc(max_vectors * HD), peak(max_vectors),
+        total(max_vectors);
+    alignas(64) float p[kQueries * kKeys];  // the block's weights of the tile's keys
     const float* vrows[kKeys];
+    const veci lane = lanes();
+    const vecf zero = {};
+    const vecf neg_inf = zero - std::numeric_limits<float>::infinity();
     for (int64_t item = begin; item < end; ++item) {
       const int64_t kv = item / num_tiles, r0 = (item % num_tiles) * kRows;
       const int64_t rows = std::min(kRows, n - r0);
       const int64_t num_vectors = rows * group;  // vector x: row x / group, head x % group
-      const int64_t padded = (num_vectors + kBlock - 1) / kBlock * kBlock;
+      const int64_t padded = (num_vectors + kQueries - 1) / kQueries * kQueries;
       const int64_t first_pos = ctx - n + r0;  // position of the item's first row
       std::fill(qf.begin(), qf.end(), 0.f);
       for (int64_t x = 0; x < num_vectors; ++x) {
         const T* src = q + (r0 + x / group) * q_row_stride + (kv * group + x % group) * HD;
-        for (int64_t d = 0; d < HD; ++d) qf[x * HD + d] = scale * static_cast<float>(src[d]);
+        for (int64_t d = 0; d < HD; ++d) qf[x * HD + d] = log2_scale * static_cast<float>(src[d]);
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(peak.begin(), peak.end(), -std::numeric_limits<float>::infinity());
@@ -208,35 +308,30 @@ void chunk_attention_impl(const T* q, int64_t q_row_stride, const T* k_cache, co
       const int64_t num_keys = first_pos + rows;  // keys the item's last row sees
       for (int64_t k0 = 0; k0 < num_keys; k0 += kKeys) {
         const int64_t tk = std::min(kKeys, num_keys - k0);
-        // The tile's keys transposed (kt[d][j]), zero past tk; its value rows: fp32 read in
-        // place (vrows), other dtypes converted into vt. Keys walked block by block.
-        for (int64_t j = 0, b = k0 / block_size, o = k0 % block_size; j < kKeys; ++j) {
-          if (j < tk) {
-            const int64_t slot = (table[b] * block_size + o) * slot_stride + kv * HD;
-            const T* krow = k_cache + slot;
-            for (int64_t d = 0; d < HD; ++d) kt[d * kKeys + j] = static_cast<float>(krow[d]);
-            if constexpr (std::is_same_v<T, float>) {
-              vrows[j] = v_cache + slot;
-            } else {
-              const T* vrow = v_cache + slot;
-              for (int64_t d = 0; d < HD; ++d) vt[j * HD + d] = static_cast<float>(vrow[d]);
-              vrows[j] = vt.data() + j * HD;
-            }
-            if (++o == block_size) {
-              o = 0;
-              ++b;
-            }
+        const float* kt = kt_all.data() + (kv * num_key_tiles + k0 / kKeys) * HD * kKeys;
+        // The tile's value rows: fp32 read in place, other dtypes from vt_all.
+        // The tile's value rows: fp32 read in place from the cache, other dtypes from vt_all.
+        for (int64_t j = 0; j < tk; ++j) {
+          const int64_t key = k0 + j;
+          if constexpr (std::is_same_v<T, float>) {
+            vrows[j] = v_cache + (table[key / block_size] * block_size + key % block_size) *
+                                     slot_stride + kv * HD;
           } else {
-            for (int64_t d = 0; d < HD; ++d) kt[d * kKeys + j] = 0.f;
+            vrows[j] = vt_all.data() + (kv * ctx + key) * HD;
           }
         }
         for (int64_t x = 0; x < padded; x += kQueries) {
+          // Vector x's position (padding vectors: the last row's); positions grow with x.
+          auto pos_of = [&](int64_t v) {
+            return v < num_vectors ? first_pos + v / group : num_keys - 1;
+          };
+          if (pos_of(x + kQueries - 1) < k0) continue;  // the whole block is before the tile
           vecf a[kQueries][kKeyVecs] = {};
           const float* qx = qf.data() + x * HD;
           for (int64_t d = 0; d < HD; ++d) {
             vecf kd[kKeyVecs];
 #pragma GCC unroll 8
-            for (int64_t c = 0; c < kKeyVecs; ++c) kd[c] = loadv(kt.data() + d * kKeys + c * kWidth);
+            for (int64_t c = 0; c < kKeyVecs; ++c) kd[c] = loadv(kt + d * kKeys + c * kWidth);
 #pragma GCC unroll 8
             for (int64_t b = 0; b < kQueries; ++b) {
               const float qv = qx[b * HD + d];
@@ -244,75 +339,66 @@ void chunk_attention_impl(const T* q, int64_t q_row_stride, const T* k_cache, co
               for (int64_t c = 0; c < kKeyVecs; ++c) a[b][c] += qv * kd[c];
             }
           }
+          // Causal limit and online softmax in registers: p gets the weights of the keys.
+          float rescale[kQueries];
 #pragma GCC unroll 8
-          for (int64_t b = 0; b < kQueries; ++b)
-#pragma GCC unroll 8
-            for (int64_t c = 0; c < kKeyVecs; ++c)
-              storev(p.data() + (x + b) * kKeys + c * kWidth, a[b][c]);
-        }
-        // Causal limit and online softmax: p becomes the weights of the tile's keys.
-        for (int64_t x = 0; x < padded; ++x) {
-          float* px = p.data() + x * kKeys;
-          const int64_t pos = x < num_vectors ? first_pos + x / group : num_keys - 1;
-          const int64_t limit = std::min(tk, pos - k0 + 1);  // keys k0 .. pos
-          if (limit <= 0) {
-            std::fill(px, px + kKeys, 0.f);
-            continue;
-          }
-          const vecf zero = {};
-          const veci lane = lanes();
-          const vecf neg_inf = zero - std::numeric_limits<float>::infinity();
-          vecf peaks = neg_inf;
-          for (int64_t c = 0; c < kKeyVecs; ++c) {
-            const veci in = lane + static_cast<int32_t>(c * kWidth) < static_cast<int32_t>(limit);
-            const vecf s = loadv(px + c * kWidth);
-            peaks = in && s > peaks ? s : peaks;
-          }
-          float tile_peak = peaks[0];
-          for (int64_t j = 1; j < kWidth; ++j) tile_peak = std::max(tile_peak, peaks[j]);
-          const float new_peak = std::max(peak[x], tile_peak);
-          const float rescale = exp_clamped(peak[x] - new_peak);
-          peak[x] = new_peak;
-          vecf sums = zero;
-          for (int64_t c = 0; c < kKeyVecs; ++c) {
-            const veci in = lane + static_cast<int32_t>(c * kWidth) < static_cast<int32_t>(limit);
-            const vecf w = in ? expv_clamped<true>(loadv(px + c * kWidth) - new_peak) : zero;
-            storev(px + c * kWidth, w);
-            sums += w;
-          }
-          float sum = 0.f;
-          for (int64_t j = 0; j < kWidth; ++j) sum += sums[j];
-          total[x] = total[x] * rescale + sum;
-          if (rescale != 1.f) {
-            float* ax = acc.data() + x * HD;
-#pragma omp simd
-            for (int64_t d = 0; d < HD; ++d) ax[d] *= rescale;
-          }
-        }
-        for (int64_t x = 0; x < padded; x += kValueQueries) {
-          vecf o[kValueQueries][HD / kWidth];
-          float* ax = acc.data() + x * HD;
-#pragma GCC unroll 8
-          for (int64_t b = 0; b < kValueQueries; ++b)
-#pragma GCC unroll 8
-            for (int64_t c = 0; c < HD / kWidth; ++c) o[b][c] = loadv(ax + b * HD + c * kWidth);
-          const float* px = p.data() + x * kKeys;
-          for (int64_t j = 0; j < tk; ++j) {
-            const float* v = vrows[j];
-            vecf vv[HD / kWidth];
-#pragma GCC unroll 8
-            for (int64_t c = 0; c < HD / kWidth; ++c) vv[c] = loadv(v + c * kWidth);
-#pragma GCC unroll 8
-            for (int64_t b = 0; b < kValueQueries; ++b) {
-              const float w = px[b * kKeys + j];
-#pragma GCC unroll 8
-              for (int64_t c = 0; c < HD / kWidth; ++c) o[b][c] += w * vv[c];
+          for (int64_t b = 0; b < kQueries; ++b) {
+            float* pb = p + b * kKeys;
+            const int64_t limit = std::min(tk, pos_of(x + b) - k0 + 1);  // keys k0 .. pos
+            rescale[b] = 1.f;
+            if (limit <= 0) {
+              std::fill(pb, pb + kKeys, 0.f);
+              continue;
             }
+            const bool partial = limit < kKeys;
+            veci in[kKeyVecs];
+            vecf m = neg_inf;
+#pragma GCC unroll 8
+            for (int64_t c = 0; c < kKeyVecs; ++c) {
+              in[c] = lane + static_cast<int32_t>(c * kWidth) < static_cast<int32_t>(limit);
+              m = vmax(m, partial ? (in[c] ? a[b][c] : neg_inf) : a[b][c]);
+            }
+            float& peak_x = peak[x + b];
+            const float new_peak = std::max(peak_x, reduce_max(m));
+            rescale[b] = exp_clamped((peak_x - new_peak) * kLn2);
+            peak_x = new_peak;
+            vecf sums = zero;
+#pragma GCC unroll 8
+            for (int64_t c = 0; c < kKeyVecs; ++c) {
+              vecf w = exp2v_nonpositive(a[b][c] - new_peak);
+              if (partial) w = in[c] ? w : zero;
+              storev(pb + c * kWidth, w);
+              sums += w;
+            }
+            total[x + b] = total[x + b] * rescale[b] + reduce_sum(sums);
           }
+#pragma GCC unroll 4
+          for (int64_t b0 = 0; b0 < kQueries; b0 += kValueQueries) {
+            vecf o[kValueQueries][kHdVecs];
+            float* ax = acc.data() + (x + b0) * HD;
 #pragma GCC unroll 8
-          for (int64_t b = 0; b < kValueQueries; ++b)
+            for (int64_t b = 0; b < kValueQueries; ++b)
 #pragma GCC unroll 8
-            for (int64_t c = 0; c < HD / kWidth; ++c) storev(ax + b * HD + c * kWidth, o[b][c]);
+              for (int64_t c = 0; c < kHdVecs; ++c)
+                o[b][c] = loadv(ax + b * HD + c * kWidth) * rescale[b0 + b];
+            const float* pb = p + b0 * kKeys;
+            for (int64_t j = 0; j < tk; ++j) {
+              const float* v = vrows[j];
+              vecf vv[kHdVecs];
+#pragma GCC unroll 8
+              for (int64_t c = 0; c < kHdVecs; ++c) vv[c] = loadv(v + c * kWidth);
+#pragma GCC unroll 8
+              for (int64_t b = 0; b < kValueQueries; ++b) {
+                const float w = pb[b * kKeys + j];
+#pragma GCC unroll 8
+                for (int64_t c = 0; c < kHdVecs; ++c) o[b][c] += w * vv[c];
+              }
+            }
+#pragma GCC unroll 8
+            for (int64_t b = 0; b < kValueQueries; ++b)
+#pragma GCC unroll 8
+              for (int64_t c = 0; c < kHdVecs; ++c) storev(ax + b * HD + c * kWidth, o[b][c]);
+          }
         }
       }
       for (int64_t x = 0; x < num_vectors; ++x) {
