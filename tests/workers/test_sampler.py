@@ -44,6 +44,15 @@ def test_greedy_rows_take_argmax():
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
     rows = [SamplingRow(SamplingParams(temperature=0.0), 0)] * 4
     assert Sampler()(logits, rows) == logits.argmax(-1).tolist()
+    # Ties take the first maximum and a NaN wins, as argmax does (the sampler takes max's
+    # indices): rows of few distinct values over a vocabulary of 32,000.
+    ties = torch.randint(0, 4, (6, 32000), generator=torch.Generator().manual_seed(1)).float()
+    ties[2, 31_999] = ties[2].max() + 1
+    ties[4, 7] = float("nan")
+    rows = [SamplingRow(SamplingParams(temperature=0.0), 0)] * 6
+    want = ties.argmax(-1).tolist()
+    assert want[4] == 7 and want[2] == 31_999 and len(set(want)) > 1
+    assert Sampler()(ties, rows) == want
 
 
 def test_seeded_rows_are_deterministic_and_batch_independent():
