@@ -73,6 +73,11 @@ class WorkerActor:
         section = dataclasses.replace(  # type: ignore[type-var]
             section, device=_resolve_device(section.device))
         self.worker = build_worker(section, cache)
+        self.bound_cores: list[int] = []  # the cores torch's threads are pinned to, if any
+        if self.worker.device.type == "cpu" and section.cpu_bind_threads:
+            from workers.cpu_setup import bind_threads_to_cores
+
+            self.bound_cores = bind_threads_to_cores()
         self.num_steps = 0
         self.gate = StepGate()
         self.incarnation = uuid.uuid4().hex

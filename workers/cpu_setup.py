@@ -33,6 +33,25 @@ def keep_freed_memory() -> bool:
         return False
 
 
+def bind_threads_to_cores() -> list[int]:
+    """Pin torch's intra-op thread t to the t-th core this process may run on, where there
+    are exactly as many threads as such cores (one worker owning its cores); the cores
+    pinned, [] where nothing was (fewer threads, one thread, no kernels, not Linux)."""
+    import os
+
+    if not hasattr(os, "sched_getaffinity"):
+        return []
+    cores = sorted(os.sched_getaffinity(0))
+    if torch.get_num_threads() != len(cores) or len(cores) < 2:
+        return []
+    from workers.kernels.cpu_ops import cpu_ops
+
+    ops = cpu_ops()
+    if ops is None or ops.bind_threads(cores) != len(cores):
+        return []
+    return cores
+
+
 def prepare_cpu(model: LlamaForCausalLM, run: RunOptions, device: torch.device,
                 attention_backend: str) -> None:
     if device.type != "cpu":

@@ -52,6 +52,7 @@ class WorkerSection(Protocol):
     cpu_fused_layers: bool
     cpu_keep_freed_memory: bool
     cpu_sampled_last_layer: bool
+    cpu_bind_threads: bool
 
 
 class CacheSection(Protocol):

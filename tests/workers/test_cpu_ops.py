@@ -47,3 +47,42 @@ def test_the_build_reads_a_stable_copy_rewritten_only_when_the_text_changes(
     assert copy.read_bytes().endswith(b"// changed\n")
     # The real build reads its copy, never the tree's path.
     assert f"compile {build_dir / 'cpu_attention.cpp'}" in (build_dir / "build.ninja").read_text()
+
+
+BIND_PROBE = """
+import json, os, torch
+torch.set_num_threads({threads})
+from workers.cpu_setup import bind_threads_to_cores
+cores = bind_threads_to_cores()
+x = torch.randn(512, 512)
+for _ in range(20):
+    x @ x  # regions on the pinned threads
+lists = [open(f"/proc/self/task/{{t}}/status").read().split("Cpus_allowed_list:")[1].split()[0]
+         for t in os.listdir("/proc/self/task")]
+print(json.dumps({{"cores": cores, "main": sorted(os.sched_getaffinity(0)), "lists": lists}}))
+"""
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bind_threads_pins_each_torch_thread_to_its_own_core(build_dir: Path,
+                                                             threads: int) -> None:
+    """In a process of its own (pinning is process state): with as many torch threads as
+    cores each thread gets one core, the main thread the first; with fewer threads nothing
+    is pinned. The worker actor calls it (`worker.cpu_bind_threads`)."""
+    import json
+    import os
+
+    cores = sorted(os.sched_getaffinity(0))
+    out = subprocess.run([sys.executable, "-c", BIND_PROBE.format(threads=threads)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=240,
+                         env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    if threads == len(cores) and threads > 1:
+        assert got["cores"] == cores
+        assert got["main"] == cores[:1]  # thread 0 of the pool is the caller
+        # every core has a thread pinned to it alone
+        assert {str(c) for c in cores} <= set(got["lists"])
+    else:
+        assert got["cores"] == [] and got["main"] == cores
+        assert all(not entry.isdigit() or len(cores) == 1 for entry in got["lists"])
