@@ -69,11 +69,18 @@ def _add_choices(engine: LocalEngine, frontend: Frontend, custom_id: str,
 
 
 def run_local(lines: Iterable[str], out: TextIO, config: TokenflowConfig,
-              done_ids: set[str], progress: bool = True) -> dict[str, int]:
+              done_ids: set[str], progress: bool = True,
+              bind_threads: bool = False) -> dict[str, int]:
+    """`bind_threads`: the process is the engine's alone (a Ray task's), so its CPU threads
+    may be pinned to its cores as a worker actor's are (`worker.cpu_bind_threads`)."""
     from cluster.engine import LocalEngine
 
     started = time.perf_counter()
     engine = LocalEngine(config)
+    if bind_threads and config.worker.cpu_bind_threads and engine.worker.device.type == "cpu":
+        from workers.cpu_setup import bind_threads_to_cores
+
+        bind_threads_to_cores()
     tokenizer = engine.worker.tokenizer
     frontend = Frontend(tokenizer, config, engine.worker.vocab_size)
     counts = new_counts()

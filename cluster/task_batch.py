@@ -69,7 +69,8 @@ def _engine_task(inp: str, output: str, config: TokenflowConfig,
 
     done_ids, num_retried = prepare_resume(output)
     with open_output(output) as out:
-        counts = run_local(iter_input_lines(inp), out, config, done_ids, progress=progress)
+        counts = run_local(iter_input_lines(inp), out, config, done_ids, progress=progress,
+                           bind_threads=True)
     return counts, num_retried
 
 
