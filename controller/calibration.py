@@ -80,7 +80,7 @@ class CalibrationConfig:
         "chunk's depth); None: the deepest calibrated decode context."))
     warmup: int = setting(5, ge=0, description=(
         "Calibration runs discarded per point (5: the first runs pay for compilation and "
-        "caches)."))
+        "caches); a prefill point's admission, never timed, is the first of them."))
     iters: int = setting(20, ge=1, description=(
         "Calibration runs averaged per point after the warm-up (20)."))
     max_tokens: int = setting(8192, ge=1, description=(

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -17,6 +19,7 @@ from tests.calibrator.conftest import SMALL_RUN
 from workers.budget_file import load_budget_table
 from workers.calibrate import (
     CalibrationSpec,
+    Calibrator,
     GridSizing,
     StepGuess,
     prefill_points,
@@ -51,7 +54,10 @@ def test_the_estimate_counts_admissions_and_rounds() -> None:
     spec = dataclasses.replace(FULL, prefill_tokens=(16,), contexts=(0,), decode_batches=(1,),
                                decode_contexts=(128,), warmup=1, iters=2)
     one_prefill, one_decode = GUESS.prefill_s(16, 0), GUESS.decode_s(1, 128)
-    assert GUESS.sweep_s(spec, LIMIT) == pytest.approx(one_prefill * 4 + one_decode * 3)
+    # A prefill point's admission is its warm-up run; a decode point warms up in round 0.
+    assert GUESS.sweep_s(spec, LIMIT) == pytest.approx(one_prefill * 3 + one_decode * 3)
+    no_warmup = dataclasses.replace(spec, warmup=0)
+    assert GUESS.sweep_s(no_warmup, LIMIT) == pytest.approx(one_prefill * 3 + one_decode * 2)
     assert prefill_points(spec, 8) == []  # past the model's length: never measured
 
 
@@ -102,3 +108,31 @@ def test_calibrate_prints_its_estimate_first_and_keeps_an_existing_table(
     assert main(args) == 2
     assert "exists; pass --force" in capsys.readouterr().err
     assert out.read_bytes() == before
+
+
+@pytest.mark.parametrize("warmup", [0, 1, 3])
+def test_an_admitted_point_counts_its_admission_as_a_warm_up_run(warmup: int) -> None:
+    """Each point runs `warmup` discarded runs, then `iters` kept ones, in interleaved
+    rounds; a prefill point already ran once to be admitted, so it sits out round 0."""
+    spec = dataclasses.replace(FULL, warmup=warmup, iters=3)
+    order: list[str] = []
+    finished: list[object] = []
+
+    def point(name: str) -> Callable[[], tuple[float, int]]:
+        def run() -> tuple[float, int]:
+            order.append(name)
+            return float(len(order)), 0  # the n-th run of the sweep takes n seconds
+        return run
+
+    calibrator = SimpleNamespace(
+        spec=spec, _admitted={"prefill"}, _plan=lambda **fields: fields,
+        worker=SimpleNamespace(execute=finished.append))
+    stats = Calibrator.sweep(calibrator, [point("prefill"), point("decode")],  # type: ignore[arg-type]
+                             num_admitted=1)
+    assert order.count("prefill") == max(warmup - 1, 0) + 3  # + its admission: warmup + 3
+    assert order.count("decode") == warmup + 3
+    # The kept runs are the last three of each point: its discarded ones are earlier.
+    kept = {name: [i + 1 for i, n in enumerate(order) if n == name][-3:]
+            for name in ("prefill", "decode")}
+    assert [s["median_s"] for s in stats] == [kept["prefill"][1], kept["decode"][1]]
+    assert finished == [{"finished_request_ids": {"prefill"}}]  # released once, at the end
