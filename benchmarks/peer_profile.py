@@ -13,7 +13,7 @@ from typing import Any
 # Operator name fragments -> group; first match wins (aten::linear's children are the mms).
 OP_GROUPS = (
     ("attention", ("scaled_dot_product", "_flash_attention", "_scaled_dot",
-                   "tokenflow::decode_attention")),
+                   "tokenflow::decode_attention", "tokenflow::chunk_attention")),
     ("kv_read_write", ("index_select", "index_copy")),
     # The CPU worker's packed linears (lm_head among them) are oneDNN calls, plain ones mms.
     ("gemm", ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::bmm",
