@@ -152,6 +152,17 @@ class StepGuess:
         return prefill * (max(spec.warmup, 1) + spec.iters) + decode * rounds
 
 
+def sweep_order(spec: CalibrationSpec, num_runs: int,
+                num_admitted: int) -> list[tuple[int, int]]:
+    """(round, point) of every run of a sweep, in order: `warmup + iters` interleaved
+    rounds over the points, except that the first `num_admitted` points (already run once,
+    to be admitted: their first warm-up run) sit out the first warm-up round."""
+    return [(round_index, index)
+            for round_index in range(spec.warmup + spec.iters)
+            for index in range(num_runs)
+            if not (round_index == 0 and spec.warmup > 0 and index < num_admitted)]
+
+
 def size_grid(spec: CalibrationSpec, guess: StepGuess, max_model_len: int,
               sizing: GridSizing, budget_s: float) -> CalibrationSpec:
     """`spec` cut until `guess` says its sweep fits `budget_s`: fewer samples first (iters
@@ -253,15 +264,12 @@ class Calibrator:
         run, so they sit out the first warm-up round (on a 2-core CPU the quick grid's
         first start saved ~3 s of ~17 by it)."""
         samples: list[list[tuple[float, int]]] = [[] for _ in runs]
-        for round_index in range(self.spec.warmup + self.spec.iters):
-            for index, (kept, run) in enumerate(zip(samples, runs, strict=True)):
-                if round_index == 0 < self.spec.warmup and index < num_admitted:
-                    continue
-                sample = run()
-                if round_index >= self.spec.warmup:
-                    kept.append(sample)
-                if bar is not None:
-                    bar.update()
+        for round_index, index in sweep_order(self.spec, len(runs), num_admitted):
+            sample = runs[index]()
+            if round_index >= self.spec.warmup:
+                samples[index].append(sample)
+            if bar is not None:
+                bar.update()
         self.worker.execute(self._plan(finished_request_ids=set(self._admitted)))
         self._admitted.clear()
         stats = []
@@ -400,7 +408,7 @@ class Calibrator:
         (hardware, hardware_noise), kv = self.hardware(), self.kv_capacity()
         runs = [self.prefill_point(t, c) for t, c in points]
         runs += [self.decode_point(b, c) for b, c in decodes]
-        num_runs = (spec.warmup + spec.iters) * len(runs) - (len(points) if spec.warmup else 0)
+        num_runs = len(sweep_order(spec, len(runs), len(points)))
         # smoothing=0: the rate over the whole run; interleaved rounds make it a fair ETA
         # (recent steps alone swing between the smallest and the largest point).
         with tqdm(total=num_runs, desc="calibrate", unit="step", smoothing=0,
