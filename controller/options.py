@@ -77,12 +77,13 @@ class WorkerConfig:
     cpu_packed_any_rows_elements: int = setting(1 << 20, ge=1, description=(
         "Weights of at least this many elements use the packed copy for any row count."))
     cpu_fused_layers: bool = setting(True, description=(
-        "On a CPU fp32 worker whose C++ kernels build, the residual add + RMSNorm, rotary "
-        "and SiLU-and-mul run as one C++ pass each (workers/kernels/csrc/cpu_layers.cpp) "
+        "On a CPU fp32 or bf16 worker whose C++ kernels build, the residual add + RMSNorm, "
+        "rotary and SiLU-and-mul run as one C++ pass each (workers/kernels/csrc/cpu_layers.cpp) "
         "instead of 2-8 torch operators each; False keeps the operators (the reference). "
-        "Rotary is bit-equal, the norm's sum and SiLU's exp round within a few ulp."))
+        "fp32: rotary is bit-equal, the norm's sum and SiLU's exp round within a few ulp; "
+        "bf16: each pass rounds once, where the operators round after each."))
     cpu_sampled_last_layer: bool = setting(True, description=(
-        "On a CPU fp32 worker with the C++ layers, a step's last layer computes K/V for "
+        "On a CPU fp32 or bf16 worker with the C++ layers, a step's last layer computes K/V for "
         "every row but its attention, o_proj, MLP and final norm only for the rows that "
         "sample (one per request finishing its prompt or decoding): no other row's output "
         "is read (workers/sampled_rows.py). Off where a request asks for prompt "

@@ -61,8 +61,8 @@ def prepare_cpu(model: LlamaForCausalLM, run: RunOptions, device: torch.device,
     if run.packing is not None:
         model.pack_linears(run.packing)  # fp32 or bf16
     # Beside the C++ attention (`auto` or `cpu`); a forced `torch` backend is the reference.
-    fp32 = model.lm_head.weight.dtype == torch.float32
-    if run.fused_layers and attention_backend in ("auto", "cpu") and fp32:
+    dtype_ok = model.lm_head.weight.dtype in (torch.float32, torch.bfloat16)
+    if run.fused_layers and attention_backend in ("auto", "cpu") and dtype_ok:
         from workers.kernels.cpu_ops import cpu_ops
 
         model.cpu_layers = cpu_ops()  # None where they did not build: the torch operators

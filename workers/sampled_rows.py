@@ -1,4 +1,4 @@
-"""The last layer on the sampled rows only (CPU fp32 worker, the model's C++ layer path).
+"""The last layer on the sampled rows only (CPU fp32 or bf16 worker, the model's C++ layer path).
 
 Why: only a step's sampled rows (each sampling request's last query row) reach the logits,
 and no later layer reads the last layer's output, so for every other row the last layer

@@ -26,9 +26,9 @@ class RunOptions:
     cuda_graphs: bool = True
     max_graph_batch: int = 256
     packing: PackPolicy | None = PackPolicy()  # None: plain GEMMs only
-    fused_layers: bool = True  # CPU fp32: the C++ norm, rotary and SiLU-and-mul
+    fused_layers: bool = True  # CPU fp32/bf16: the C++ norm, rotary and SiLU-and-mul
     keep_freed_memory: bool = True  # CPU: glibc keeps freed memory (workers/cpu_setup.py)
-    sampled_last_layer: bool = True  # CPU fp32: last layer on sampled rows (sampled_rows.py)
+    sampled_last_layer: bool = True  # CPU fp32/bf16: last layer on sampled rows (sampled_rows.py)
 
 
 class WorkerSection(Protocol):

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from tests.workers.helpers import Driver, build_hf_checkpoint, random_ids
+from workers.kernels.cpu_ops import cpu_ops
 from workers.models.packed import PackedLinear
 from workers.sections import PackPolicy
 from workers.worker import RunOptions, Worker
@@ -53,11 +54,13 @@ def bound(checkpoint: Path) -> float:
     return 1.5 * float((logits[0] - logits[1]).abs().max())
 
 
-def _logits(checkpoint: Path, dtype: str, packing: bool) -> tuple[Worker, list[torch.Tensor]]:
+def _logits(checkpoint: Path, dtype: str, packing: bool,
+            fused: bool = True) -> tuple[Worker, list[torch.Tensor]]:
     # This checkpoint's weights are small: pack every one of them, for any row count.
     policy = PackPolicy(min_rows=1, min_elements=1, any_rows_elements=1)
     worker = Worker(str(checkpoint), num_kv_blocks=64, block_size=16, dtype=dtype,
-                    keep_logits=True, run=RunOptions(packing=policy if packing else None))
+                    keep_logits=True, run=RunOptions(packing=policy if packing else None,
+                                                     fused_layers=fused))
     driver = Driver(worker)
     for i, rid in enumerate("abc"):
         driver.add(rid, _prompt(i))
@@ -93,3 +96,16 @@ def test_bf16_packed_and_plain_agree(checkpoint: Path, bound: float) -> None:
     _, plain = _logits(checkpoint, "bfloat16", packing=False)
     _, packed = _logits(checkpoint, "bfloat16", packing=True)
     _check(packed, plain, bound / 4)
+
+
+@pytest.mark.skipif(cpu_ops() is None, reason="the CPU kernels did not build here")
+def test_bf16_cpp_layers_agree_with_the_operators(checkpoint: Path, bound: float) -> None:
+    """The C++ layers in bf16 (one rounding a pass, the last layer on the sampled rows) against
+    torch's bf16 operators: the same tolerance against each other as packed and plain."""
+    ops_worker, by_ops = _logits(checkpoint, "bfloat16", packing=True, fused=False)
+    worker, fused = _logits(checkpoint, "bfloat16", packing=True)
+    assert worker.model.runs_cpu_layers(torch.bfloat16, torch.device("cpu"))
+    assert not ops_worker.model.runs_cpu_layers(torch.bfloat16, torch.device("cpu"))
+    _check(fused, by_ops, bound / 4)
+    _, want = _logits(checkpoint, "float32", packing=True)
+    _check(fused, want, bound)

@@ -60,6 +60,61 @@ def test_silu_mul_in_place_within_rounding(width):
     torch.testing.assert_close(got, want, rtol=4e-6, atol=1e-6)
 
 
+def _rel_err(got: torch.Tensor, want: torch.Tensor, floor: float) -> float:
+    return float(((got.float() - want).abs() / want.abs().clamp_min(floor)).max())
+
+
+BF16_ULP = 2.0**-8  # one rounding to bf16 (8 bits of mantissa): relative error <= 2^-9
+
+
+def test_bf16_layers_compute_in_fp32_and_round_once():
+    """bf16: each pass computes in fp32 from the bf16 inputs and rounds once where it stores,
+    so it sits within one bf16 rounding of the fp32 result (torch's bf16 operators round
+    after each operator, further off)."""
+    torch.manual_seed(3)
+    x, delta = (torch.randn(37, 512) * 5).bfloat16(), torch.randn(37, 512).bfloat16()
+    weight = torch.randn(512).bfloat16()
+    got_x = x.clone()
+    out = OPS.add_rms_norm(got_x, delta, weight, 1e-5)
+    assert out.dtype == torch.bfloat16
+    want_x = (x.float() + delta.float()).bfloat16()  # the residual, stored rounded
+    assert torch.equal(got_x, want_x)
+    xf = want_x.float()
+    want = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * weight.float()
+    assert _rel_err(out, want, 1e-3) <= BF16_ULP
+    assert torch.equal(OPS.add_rms_norm(x.clone(), None, weight, 1e-5),
+                       OPS.add_rms_norm(x.clone(), torch.zeros_like(x), weight, 1e-5))
+
+    gate, up = (torch.randn(5, 1531) * 6).bfloat16(), torch.randn(5, 1531).bfloat16()
+    gate[0, :2] = torch.tensor([-200.0, 200.0])
+    want = F.silu(gate.float()) * up.float()
+    got = gate.clone()
+    assert OPS.silu_mul_(got, up).data_ptr() == got.data_ptr()
+    assert _rel_err(got, want, 1e-3) <= BF16_ULP
+
+    heads, kv_heads, hd, num_tokens = 8, 2, 64, 37
+    qkv = (torch.randn(num_tokens, (heads + 2 * kv_heads) * hd) * 3).bfloat16()
+    freqs = (torch.arange(num_tokens) + 11).float()[:, None] / (
+        10000 ** (torch.arange(0, hd, 2).float() / hd))[None, :]
+    qk = (heads + kv_heads) * hd
+    want = apply_rotary(qkv[:, :qk].float().view(num_tokens, heads + kv_heads, hd),
+                        freqs.cos(), freqs.sin())
+    got = qkv.clone()
+    OPS.rotary_(got, freqs.cos(), freqs.sin(), heads + kv_heads, hd)
+    assert torch.equal(got[:, :qk].view_as(want), want.bfloat16())  # fp32, rounded once
+    assert torch.equal(got[:, qk:], qkv[:, qk:])  # v untouched
+
+
+def test_the_layers_refuse_mixed_or_other_dtypes():
+    x = torch.randn(3, 64)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        OPS.silu_mul_(x.bfloat16(), x)
+    with pytest.raises(RuntimeError, match="fp32 or bf16"):
+        OPS.add_rms_norm(x.half(), None, torch.ones(64).half(), 1e-5)
+    with pytest.raises(RuntimeError, match="bf16"):
+        OPS.add_rms_norm(x.bfloat16(), None, torch.ones(64), 1e-5)
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
     return build_hf_checkpoint("llama", tmp_path_factory.mktemp("hf") / "llama",

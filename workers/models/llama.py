@@ -192,7 +192,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
         # The C++ elementwise layers (workers/kernels/csrc/cpu_layers.cpp), set by a CPU fp32
-        # worker (workers/cpu_setup.py); None: torch's operators.
+        # or bf16 worker (workers/cpu_setup.py); None: torch's operators.
         self.cpu_layers: Any = None
 
     def tie_weights(self) -> None:
@@ -224,18 +224,21 @@ class LlamaForCausalLM(nn.Module):
         (only where `runs_cpu_layers`): [S, hidden], the last layer run on the sampled
         rows alone (workers/sampled_rows.py)."""
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
-        cos, sin = self.rotary_emb(positions, x.dtype)  # [T, hd/2] each, shared by all layers
         if self.runs_cpu_layers(x.dtype, x.device):
+            # The C++ rotary takes fp32 tables whatever the model's dtype (bf16 rotated in fp32).
+            cos, sin = self.rotary_emb(positions, torch.float32)  # [T, hd/2] each
             return self._forward_cpu_layers(x, cos, sin, attn, kv_caches, sampled)
+        cos, sin = self.rotary_emb(positions, x.dtype)  # [T, hd/2] each, shared by all layers
         assert sampled is None, "the last layer on sampled rows is the C++ layers' path"
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv_cache, attn)
         return self.model.norm(x)
 
     def runs_cpu_layers(self, dtype: torch.dtype, device: torch.device) -> bool:
-        """Whether `forward` runs the C++ layers (CPU fp32, where they built) for a step of
-        this dtype on this device: the only path that takes `sampled`."""
-        return self.cpu_layers is not None and dtype == torch.float32 and device.type == "cpu"
+        """Whether `forward` runs the C++ layers (CPU fp32 or bf16, where they built) for a
+        step of this dtype on this device: the only path that takes `sampled`."""
+        return (self.cpu_layers is not None and dtype in (torch.float32, torch.bfloat16)
+                and device.type == "cpu")
 
     def _forward_cpu_layers(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionStep,
                             kv_caches: list[KVCache], sampled: SampledRows | None) -> Tensor:
