@@ -199,6 +199,30 @@ def test_cpu_decode_kernel_matches_reference(num_heads, num_kv_heads, head_dim, 
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [
+    (8, 2, 64, 16), (4, 4, 128, 32), (6, 2, 32, 8), (8, 2, 96, 16), (8, 2, 8, 16)])
+def test_cpu_decode_kernel_bf16_rounds_the_exact_result_once(num_heads, num_kv_heads, head_dim,
+                                                             block_size):
+    """A bf16 cache and queries: the register-blocked path (head sizes of whole registers)
+    and the generic loop read the bf16 values and sum in fp32, so the output is the float64
+    attention of those very values rounded once to bf16 (a relative 2^-8 at most), up to
+    fp32's sums."""
+    case = make_case([(n, 1) for n in (0, 14, 17, 33, 700)], num_heads=num_heads,
+                     num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
+                     seed=6, dtype=torch.bfloat16)
+    want, _, _ = reference_attention(case)
+    ops = cpu_ops()
+    assert ops is not None
+    backend = TorchBackend(torch.bfloat16, num_kv_heads, head_dim,
+                           decode_kernel=ops.decode_attention)
+    got = backend.prepare(case.meta).forward(case.q, case.k, case.v,
+                                             (case.k_cache.clone(), case.v_cache.clone()),
+                                             case.scale)
+    assert got.dtype == torch.bfloat16
+    err = (got.double() - want).abs()
+    assert bool((err <= want.abs() * 2.0**-8 + 1e-5).all()), float(err.max())
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [
     (8, 2, 64, 16), (4, 4, 128, 16), (6, 2, 64, 8)])
 def test_cpu_chunk_kernel_matches_reference(num_heads, num_kv_heads, head_dim, block_size):
     """The C++ chunk kernel (flash-style over the paged cache, causal by position, no mask)

@@ -25,11 +25,12 @@
 #include <immintrin.h>
 #endif
 
-bool decode_attention_fp32(const float* q, int64_t q_row_stride, const float* k_cache,
-                           const float* v_cache, const int64_t* block_table,
-                           const int64_t* seq_lens, float* out, int64_t num_seqs,
-                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                           int64_t block_size, int64_t table_width, float scale);  // cpu_decode.cpp
+template <typename T>  // float, or uint16_t for a bf16 cache's raw bits (cpu_decode.cpp)
+bool decode_attention_blocked(const float* q, int64_t q_row_stride, const T* k_cache,
+                              const T* v_cache, const int64_t* block_table,
+                              const int64_t* seq_lens, float* out, int64_t num_seqs,
+                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                              int64_t block_size, int64_t table_width, float scale);
 
 namespace {
 
@@ -132,12 +133,27 @@ void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
   TORCH_CHECK(out.is_contiguous() && out.scalar_type() == q.scalar_type() &&
               out.sizes() == q.sizes(), "out must be a contiguous tensor shaped as q");
   if (q.scalar_type() == at::kFloat &&
-      decode_attention_fp32(q.data_ptr<float>(), q.stride(0), k_cache.data_ptr<float>(),
-                            v_cache.data_ptr<float>(), table.data_ptr<int64_t>(),
-                            lens.data_ptr<int64_t>(), out.data_ptr<float>(), num_seqs,
-                            num_heads, num_kv_heads, head_dim, block_size, table.size(1),
-                            static_cast<float>(scale)))
+      decode_attention_blocked(q.data_ptr<float>(), q.stride(0), k_cache.data_ptr<float>(),
+                               v_cache.data_ptr<float>(), table.data_ptr<int64_t>(),
+                               lens.data_ptr<int64_t>(), out.data_ptr<float>(), num_seqs,
+                               num_heads, num_kv_heads, head_dim, block_size, table.size(1),
+                               static_cast<float>(scale)))
     return;  // the register-blocked path (cpu_decode.cpp)
+  if (q.scalar_type() == at::kBFloat16 && head_dim % kWidth == 0) {
+    // The same path over the bf16 cache: q in fp32 (a few KB a step), out rounded once.
+    auto qf = q.to(at::kFloat);  // [S, H, hd], contiguous
+    auto outf = torch::empty(q.sizes(), qf.options());
+    const auto* kb = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>());
+    const auto* vb = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>());
+    if (decode_attention_blocked(qf.data_ptr<float>(), qf.stride(0), kb, vb,
+                                 table.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
+                                 outf.data_ptr<float>(), num_seqs, num_heads, num_kv_heads,
+                                 head_dim, block_size, table.size(1),
+                                 static_cast<float>(scale))) {
+      out.copy_(outf);
+      return;
+    }
+  }
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "decode_attention", [&] {
     decode_attention_impl<scalar_t>(
         q.data_ptr<scalar_t>(), q.stride(0), k_cache.data_ptr<scalar_t>(),

@@ -1,4 +1,5 @@
-// Paged decode attention, fp32, register-blocked (decode_attention's path where head_dim is a
+// Paged decode attention, register-blocked, over an fp32 or a bf16 cache (queries and sums in
+// fp32 either way) (decode_attention's path where head_dim is a
 // whole number of registers). Same result as the generic loop in cpu_attention.cpp up to
 // the order of the dot products' sums: exact two-pass softmax, per (row, KV head).
 //
@@ -20,6 +21,10 @@
 #include <vector>
 
 #include "cpu_vec.h"
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -69,16 +74,40 @@ inline void reduce_keys(vecf* acc) {
   }
 }
 
+// kWidth cache elements as floats: fp32 as they are, bf16 (raw bits) widened into the upper
+// half of each lane.
+typedef uint16_t vech __attribute__((vector_size(kWidth * 2)));
+inline vecf load_kv(const float* p) { return loadv(p); }
+inline vecf load_kv(const uint16_t* p) {
+#if defined(__AVX512F__)
+  // One zero-extending load and a shift (GCC's generic conversion compiled to shuffles).
+  const __m512i wide =
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return reinterpret_cast<vecf>(_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
+#elif defined(__AVX2__)
+  const __m256i wide =
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return reinterpret_cast<vecf>(_mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
+#else
+  vech h;
+  std::memcpy(&h, p, sizeof(h));
+  const veci bits = __builtin_convertvector(h, veci) << 16;
+  vecf f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+#endif
+}
+
 // Query head rows `q` [group][HDV * kWidth] of one KV head against its n keys -> out [group][hd].
 // `scores`: the caller's buffer of group * round_up(n, kWidth) floats.
-template <int HDV>
-void decode_kv_head(const float* q, const float* k_cache, const float* v_cache,
+template <int HDV, typename T>
+void decode_kv_head(const float* q, const T* k_cache, const T* v_cache,
                     const int64_t* table, int64_t n, int64_t group, int64_t block_size,
                     int64_t slot_stride, int64_t head_off, float scale, float* scores,
                     float* out) {
   constexpr int64_t hd = HDV * kWidth;
   const int64_t n_pad = (n + kWidth - 1) / kWidth * kWidth;
-  const float* rows[kWidth];
+  const T* rows[kWidth];
   int64_t b = 0, o = 0;  // key j's block (table index) and row in it, walked without division
   for (int64_t j0 = 0; j0 < n; j0 += kWidth) {
     for (int k = 0; k < kWidth; ++k) {
@@ -94,8 +123,8 @@ void decode_kv_head(const float* q, const float* k_cache, const float* v_cache,
       for (int c = 0; c < HDV; ++c) qh[c] = loadv(q + h * hd + c * kWidth);
       vecf acc[kWidth];
       for (int k = 0; k < kWidth; ++k) {
-        vecf a = qh[0] * loadv(rows[k]);
-        for (int c = 1; c < HDV; ++c) a += qh[c] * loadv(rows[k] + c * kWidth);
+        vecf a = qh[0] * load_kv(rows[k]);
+        for (int c = 1; c < HDV; ++c) a += qh[c] * load_kv(rows[k] + c * kWidth);
         acc[k] = a;
       }
       reduce_keys<0>(acc);
@@ -127,8 +156,8 @@ void decode_kv_head(const float* q, const float* k_cache, const float* v_cache,
     const float* p = scores + h * n_pad;
     vecf acc[HDV] = {};
     for (int64_t j = 0, vb = 0, vo = 0; j < n; ++j) {
-      const float* vrow = v_cache + (table[vb] * block_size + vo) * slot_stride + head_off;
-      for (int c = 0; c < HDV; ++c) acc[c] += p[j] * loadv(vrow + c * kWidth);
+      const T* vrow = v_cache + (table[vb] * block_size + vo) * slot_stride + head_off;
+      for (int c = 0; c < HDV; ++c) acc[c] += p[j] * load_kv(vrow + c * kWidth);
       if (++vo == block_size) {
         vo = 0;
         ++vb;
@@ -138,11 +167,11 @@ void decode_kv_head(const float* q, const float* k_cache, const float* v_cache,
   }
 }
 
-template <int HDV>
-void decode_fp32(const float* q, int64_t q_row_stride, const float* k_cache,
-                 const float* v_cache, const int64_t* block_table, const int64_t* seq_lens,
-                 float* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                 int64_t block_size, int64_t table_width, float scale) {
+template <int HDV, typename T>
+void decode_paged(const float* q, int64_t q_row_stride, const T* k_cache, const T* v_cache,
+                  const int64_t* block_table, const int64_t* seq_lens, float* out,
+                  int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                  int64_t block_size, int64_t table_width, float scale) {
   constexpr int64_t hd = HDV * kWidth;
   const int64_t group = num_heads / num_kv_heads;
   const int64_t slot_stride = num_kv_heads * hd;
@@ -162,7 +191,7 @@ void decode_fp32(const float* q, int64_t q_row_stride, const float* k_cache,
       }
       scores.resize(group * ((n + kWidth - 1) / kWidth * kWidth));
       for (int64_t g = g0; g < g0 + kv_per_item; ++g)
-        decode_kv_head<HDV>(q + s * q_row_stride + g * group * hd, k_cache, v_cache,
+        decode_kv_head<HDV, T>(q + s * q_row_stride + g * group * hd, k_cache, v_cache,
                             block_table + s * table_width, n, group, block_size, slot_stride,
                             g * hd, scale, scores.data(), out + (s * num_heads + g * group) * hd);
     }
@@ -172,17 +201,20 @@ void decode_fp32(const float* q, int64_t q_row_stride, const float* k_cache,
 }  // namespace
 
 // The register-blocked path, where head_dim is 1, 2, 4 or 8 registers; false: not taken.
-bool decode_attention_fp32(const float* q, int64_t q_row_stride, const float* k_cache,
-                           const float* v_cache, const int64_t* block_table,
-                           const int64_t* seq_lens, float* out, int64_t num_seqs,
-                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                           int64_t block_size, int64_t table_width, float scale) {
+// q and out fp32 (a bf16 caller converts them); the caches fp32 or bf16 (T: float or the
+// raw bits, uint16_t).
+template <typename T>
+bool decode_attention_blocked(const float* q, int64_t q_row_stride, const T* k_cache,
+                              const T* v_cache, const int64_t* block_table,
+                              const int64_t* seq_lens, float* out, int64_t num_seqs,
+                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                              int64_t block_size, int64_t table_width, float scale) {
   if (head_dim % kWidth != 0) return false;
   switch (head_dim / kWidth) {
 #define TF_DECODE_CASE(N)                                                                \
   case N:                                                                                \
-    decode_fp32<N>(q, q_row_stride, k_cache, v_cache, block_table, seq_lens, out,        \
-                   num_seqs, num_heads, num_kv_heads, block_size, table_width, scale);   \
+    decode_paged<N, T>(q, q_row_stride, k_cache, v_cache, block_table, seq_lens, out,    \
+                       num_seqs, num_heads, num_kv_heads, block_size, table_width, scale); \
     return true;
     TF_DECODE_CASE(1)
     TF_DECODE_CASE(2)
@@ -193,3 +225,11 @@ bool decode_attention_fp32(const float* q, int64_t q_row_stride, const float* k_
       return false;
   }
 }
+
+template bool decode_attention_blocked<float>(const float*, int64_t, const float*, const float*,
+                                              const int64_t*, const int64_t*, float*, int64_t,
+                                              int64_t, int64_t, int64_t, int64_t, int64_t, float);
+template bool decode_attention_blocked<uint16_t>(const float*, int64_t, const uint16_t*,
+                                                 const uint16_t*, const int64_t*,
+                                                 const int64_t*, float*, int64_t, int64_t,
+                                                 int64_t, int64_t, int64_t, int64_t, float);

@@ -248,7 +248,8 @@ torch::Tensor silu_mul_(torch::Tensor gate, torch::Tensor up) {
     const uint16_t* u = bf16_ptr(up);
     const int64_t g_stride = gate.stride(0), u_stride = up.stride(0);
     at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) silu_mul_row_bf16(g + r * g_stride, u + r * u_stride, n);
+      for (int64_t r = begin; r < end; ++r)
+        silu_mul_row_bf16(g + r * g_stride, u + r * u_stride, n);
     });
     return gate;
   }
