@@ -138,6 +138,8 @@ def worker_identity(worker: Worker) -> dict[str, str]:
     identity = {"model_config_sha256": model_config_sha256(worker),
                 "device_name": device_name(worker.device),
                 "attention_backend": type(worker.backend).__name__,
+                # Whether chunks run the C++ kernel or SDPA (bf16 chooses by the CPU).
+                "chunk_kernel": str(getattr(worker.backend, "chunk_kernel", None) is not None),
                 "cuda_graphs": str(worker.graphs is not None),
                 "torch": torch.__version__}
     if worker.device.type == "cpu":

@@ -42,8 +42,8 @@ BASE_SPEC = CalibrationSpec.of(
     TokenflowConfig().calibration.quick(), model="builtin:tiny", dtype="float32",
     device="cpu", block_size=16, tile_tokens=16, threads=1)
 BASE_IDENTITY = {"model_config_sha256": "0" * 64, "device_name": "cpu Example 9000",
-                 "attention_backend": "TorchBackend", "cuda_graphs": "False",
-                 "torch": "2.0.0", "cpu_kernels": "0" * 16}
+                 "attention_backend": "TorchBackend", "chunk_kernel": "True",
+                 "cuda_graphs": "False", "torch": "2.0.0", "cpu_kernels": "0" * 16}
 # One other value per key input; every field of the spec must be here.
 SPEC_CHANGES: dict[str, Any] = {
     "model": "/models/other", "dtype": "bfloat16", "device": "cuda", "threads": 2,
@@ -51,8 +51,8 @@ SPEC_CHANGES: dict[str, Any] = {
     "contexts": (0,), "decode_batches": (1, 4), "decode_contexts": (64, 512),
     "matmul_size": 512, "bandwidth_bytes": 2**20, "memory_fraction": 0.5}
 IDENTITY_CHANGES = {"model_config_sha256": "1" * 64, "device_name": "cpu Example 9001",
-                    "attention_backend": "TritonBackend", "cuda_graphs": "True",
-                    "torch": "2.0.1", "cpu_kernels": "1" * 16}
+                    "attention_backend": "TritonBackend", "chunk_kernel": "False",
+                    "cuda_graphs": "True", "torch": "2.0.1", "cpu_kernels": "1" * 16}
 
 
 def fake_measure(table_path: Path) -> tuple[list[CalibrationSpec], Measure]:

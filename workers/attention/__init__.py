@@ -61,6 +61,12 @@ class AttentionBackend(Protocol):
     def prepare(self, meta: StepMetadata) -> AttentionStep: ...
 
 
+def has_bf16_units() -> bool:
+    """Whether oneDNN runs bf16 matrix products on this CPU's own bf16 units (AMX or
+    AVX512-BF16), where torch's bf16 GEMMs and SDPA blocks go."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def make_backend(
     name: str, *, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
     device: torch.device,
@@ -78,8 +84,12 @@ def make_backend(
         if ops is not None and dtype in (torch.float32, torch.bfloat16):
             # The chunk kernel has register blocks for these head sizes, and beats SDPA
             # where it was built for AVX-512 (16 floats a register); elsewhere SDPA serves.
+            # Not for bf16 where oneDNN has bf16 units (AMX, AVX512-BF16): SDPA's blocks run
+            # on them there, and the kernel's fp32 FMAs ran at half its rate (512 queries
+            # over 5,500 keys: 27.5 against 12.5 ms a layer on a 2-core AMX Xeon).
             chunk = (ops.chunk_attention if head_dim in CHUNK_KERNEL_HEAD_DIMS
-                     and getattr(ops, "chunk_attention_width", 0) == 16 else None)
+                     and getattr(ops, "chunk_attention_width", 0) == 16
+                     and not (dtype == torch.bfloat16 and has_bf16_units()) else None)
             return TorchBackend(dtype, num_kv_heads, head_dim,
                                 decode_kernel=ops.decode_attention, chunk_kernel=chunk)
         name = "torch"  # no compiler here (logged once), or a dtype the kernel lacks
