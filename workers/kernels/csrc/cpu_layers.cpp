@@ -65,35 +65,27 @@ uint16_t* bf16_ptr(const torch::Tensor& t) {
   return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>());
 }
 
-// One row's heads rotated in place. Contraction off here only (a file-wide pragma slowed
-// the other loops): a multiply-add would round the torch path's two products once.
-__attribute__((optimize("fp-contract=off"), noinline)) void rotate_row(
-    float* x, const float* cr, const float* sr, int64_t num_heads, int64_t head_dim) {
-  const int64_t half = head_dim / 2;
-  for (int64_t h = 0; h < num_heads; ++h) {
-    float* x1 = x + h * head_dim;
-    float* x2 = x1 + half;
-#pragma omp simd
-    for (int64_t i = 0; i < half; ++i) {
-      const float a = x1[i], b = x2[i];
-      x1[i] = a * cr[i] - b * sr[i];
-      x2[i] = b * cr[i] + a * sr[i];
-    }
-  }
-}
+// A row element as fp32 and back: fp32 as it is, bf16 (raw bits) widened and rounded once.
+inline float to_f32(float x) { return x; }
+inline float to_f32(uint16_t b) { return bf16_to_f32(b); }
+inline void store_f32(float* p, float v) { *p = v; }
+inline void store_f32(uint16_t* p, float v) { *p = f32_to_bf16(v); }
 
-// The same on a bf16 row (cos and sin in fp32): each output rounded once.
-void rotate_row_bf16(uint16_t* x, const float* cr, const float* sr, int64_t num_heads,
-                     int64_t head_dim) {
+// One row's heads rotated in place (T: float, or uint16_t for bf16's raw bits; cos and sin
+// fp32). Contraction off here only (a file-wide pragma slowed the other loops): a
+// multiply-add would round the torch path's two products once.
+template <typename T>
+__attribute__((optimize("fp-contract=off"), noinline)) void rotate_row(
+    T* x, const float* cr, const float* sr, int64_t num_heads, int64_t head_dim) {
   const int64_t half = head_dim / 2;
   for (int64_t h = 0; h < num_heads; ++h) {
-    uint16_t* x1 = x + h * head_dim;
-    uint16_t* x2 = x1 + half;
+    T* x1 = x + h * head_dim;
+    T* x2 = x1 + half;
 #pragma omp simd
     for (int64_t i = 0; i < half; ++i) {
-      const float a = bf16_to_f32(x1[i]), b = bf16_to_f32(x2[i]);
-      x1[i] = f32_to_bf16(a * cr[i] - b * sr[i]);
-      x2[i] = f32_to_bf16(b * cr[i] + a * sr[i]);
+      const float a = to_f32(x1[i]), b = to_f32(x2[i]);
+      store_f32(x1 + i, a * cr[i] - b * sr[i]);
+      store_f32(x2 + i, b * cr[i] + a * sr[i]);
     }
   }
 }
@@ -221,19 +213,14 @@ void rotary_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t nu
   const float* c = cos.data_ptr<float>();
   const float* s = sin.data_ptr<float>();
   const int64_t stride = qkv.stride(0);
-  if (bf16) {
-    uint16_t* x = bf16_ptr(qkv);
+  auto run = [&](auto* x) {
     at::parallel_for(0, rows, grain_rows(num_heads * head_dim), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r)
-        rotate_row_bf16(x + r * stride, c + r * half, s + r * half, num_heads, head_dim);
+        rotate_row(x + r * stride, c + r * half, s + r * half, num_heads, head_dim);
     });
-    return;
-  }
-  float* x = qkv.data_ptr<float>();
-  at::parallel_for(0, rows, grain_rows(num_heads * head_dim), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r)
-      rotate_row(x + r * stride, c + r * half, s + r * half, num_heads, head_dim);
-  });
+  };
+  if (bf16) run(bf16_ptr(qkv));
+  else run(qkv.data_ptr<float>());
 }
 
 // gate = SiLU(gate) * up, in place; returns gate. SiLU rounded before the product, as torch.
