@@ -173,8 +173,9 @@ void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
 // query vectors, in register blocks of GCC vector types as wide as the machine's registers
 // (-march=native; a type wider than them compiles to code 15x slower). A block of kQueries
 // query vectors goes through its scores (kQueries x kKeyVecs accumulators), their softmax
-// while they are still in registers (maxima and sums by lane shuffles), and p @ V (kValueFloats
-// accumulated floats at a time) before the next block starts, so its weights never leave L1.
+// while they are still in registers (a maximum by lane shuffles only when the tile raises
+// it; sums kept per lane), and p @ V (kValueFloats accumulated floats at a time) before the
+// next block starts, so its weights never leave L1.
 // With AVX-512 each block of 4 vectors sees 64 keys at a time: the per-vector softmax work
 // (reductions, the running max's rescale) is paid once per 64 keys, not per 32, which with
 // 8 vectors x 32 keys and separate passes over the scores had cost as much as the FMAs.
@@ -206,6 +207,17 @@ inline vecf swap_lanes(vecf v) {  // lane i gets lane i ^ S
 }
 
 inline vecf vmax(vecf a, vecf b) { return a > b ? a : b; }
+
+inline bool any_greater(vecf a, vecf b) {  // some lane of a above b's
+#if defined(__AVX512F__)
+  return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ) != 0;
+#else
+  const veci gt = a > b;
+  int32_t any = 0;
+  for (int32_t i = 0; i < kWidth; ++i) any |= gt[i];
+  return any != 0;
+#endif
+}
 
 inline float reduce_max(vecf v) {
   if constexpr (kWidth >= 16) v = vmax(v, swap_lanes<8>(v));
@@ -274,8 +286,8 @@ void chunk_attention_impl(const T* q, int64_t q_row_stride, const T* k_cache, co
   // Every key tile transposed once per call (kt_all[kv][tile][d][j], zero past ctx), shared
   // by the items of all row tiles; other dtypes' value rows converted once (vt_all[kv][key]).
   const int64_t num_key_tiles = (ctx + kKeys - 1) / kKeys;
-  std::vector<float> kt_all(num_kv_heads * num_key_tiles * HD * kKeys), vt_all;
-  if constexpr (!std::is_same_v<T, float>) vt_all.resize(num_kv_heads * ctx * HD);
+  AlignedFloats kt_all(num_kv_heads * num_key_tiles * HD * kKeys);
+  AlignedFloats vt_all(std::is_same_v<T, float> ? 0 : num_kv_heads * ctx * HD);
   at::parallel_for(0, num_kv_heads * num_key_tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t kv = t / num_key_tiles, k0 = (t % num_key_tiles) * kKeys;
@@ -300,8 +312,9 @@ void chunk_attention_impl(const T* q, int64_t q_row_stride, const T* k_cache, co
     }
   });
   at::parallel_for(0, num_kv_heads * num_tiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(max_vectors * HD), acc(max_vectors * HD), peak(max_vectors),
-        total(max_vectors);
+    // total: each vector's softmax sum, kept per lane (summed across lanes at the end).
+    AlignedFloats qf(max_vectors * HD), acc(max_vectors * HD), peak(max_vectors),
+        total(max_vectors * kWidth);
     alignas(64) float p[kQueries * kKeys];  // the block's weights of the tile's keys
     const float* vrows[kKeys];
     const veci lane = lanes();
@@ -325,7 +338,6 @@ void chunk_attention_impl(const T* q, int64_t q_row_stride, const T* k_cache, co
       for (int64_t k0 = 0; k0 < num_keys; k0 += kKeys) {
         const int64_t tk = std::min(kKeys, num_keys - k0);
         const float* kt = kt_all.data() + (kv * num_key_tiles + k0 / kKeys) * HD * kKeys;
-        // The tile's value rows: fp32 read in place, other dtypes from vt_all.
         // The tile's value rows: fp32 read in place from the cache, other dtypes from vt_all.
         for (int64_t j = 0; j < tk; ++j) {
           const int64_t key = k0 + j;
@@ -374,10 +386,15 @@ void chunk_attention_impl(const T* q, int64_t q_row_stride, const T* k_cache, co
               in[c] = lane + static_cast<int32_t>(c * kWidth) < static_cast<int32_t>(limit);
               m = vmax(m, partial ? (in[c] ? a[b][c] : neg_inf) : a[b][c]);
             }
+            // The running max moves only when a score of this tile passes it; the test is
+            // one compare, the horizontal max and the rescale's exp are paid then only.
             float& peak_x = peak[x + b];
-            const float new_peak = std::max(peak_x, reduce_max(m));
-            rescale[b] = exp_clamped((peak_x - new_peak) * kLn2);
-            peak_x = new_peak;
+            if (any_greater(m, zero + peak_x)) {
+              const float new_peak = std::max(peak_x, reduce_max(m));
+              rescale[b] = exp_clamped((peak_x - new_peak) * kLn2);
+              peak_x = new_peak;
+            }
+            const float new_peak = peak_x;
             vecf sums = zero;
 #pragma GCC unroll 8
             for (int64_t c = 0; c < kKeyVecs; ++c) {
@@ -386,7 +403,8 @@ void chunk_attention_impl(const T* q, int64_t q_row_stride, const T* k_cache, co
               storev(pb + c * kWidth, w);
               sums += w;
             }
-            total[x + b] = total[x + b] * rescale[b] + reduce_sum(sums);
+            float* tb = total.data() + (x + b) * kWidth;
+            storev(tb, loadv(tb) * rescale[b] + sums);
           }
 #pragma GCC unroll 4
           for (int64_t b0 = 0; b0 < kQueries; b0 += kValueQueries) {
@@ -419,7 +437,7 @@ void chunk_attention_impl(const T* q, int64_t q_row_stride, const T* k_cache, co
       }
       for (int64_t x = 0; x < num_vectors; ++x) {
         T* dst = out + (r0 + x / group) * out_row_stride + (kv * group + x % group) * HD;
-        const float inv = 1.f / total[x];
+        const float inv = 1.f / reduce_sum(loadv(total.data() + x * kWidth));
         for (int64_t d = 0; d < HD; ++d) dst[d] = static_cast<T>(acc[x * HD + d] * inv);
       }
     }

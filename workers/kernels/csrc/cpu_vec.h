@@ -6,7 +6,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <new>
 
 #if defined(__AVX512F__)
 constexpr int64_t kWidth = 16;  // floats per register
@@ -17,6 +19,32 @@ constexpr int64_t kWidth = 4;
 #endif
 typedef float vecf __attribute__((vector_size(kWidth * 4)));
 typedef int32_t veci __attribute__((vector_size(kWidth * 4)));
+
+// Zeroed floats on a 64-byte boundary. std::vector's memory is 16-byte aligned (glibc), and
+// a 512-bit load from it then spans two cache lines; the chunk kernel's transposed key tiles
+// and accumulators are read a register at a time.
+class AlignedFloats {
+ public:
+  explicit AlignedFloats(int64_t n) : size_(n) {
+    const size_t bytes = (static_cast<size_t>(std::max<int64_t>(n, 1)) * sizeof(float) + 63) /
+                         64 * 64;
+    data_ = static_cast<float*>(std::aligned_alloc(64, bytes));
+    if (data_ == nullptr) throw std::bad_alloc();
+    std::fill(data_, data_ + n, 0.f);
+  }
+  AlignedFloats(const AlignedFloats&) = delete;
+  AlignedFloats& operator=(const AlignedFloats&) = delete;
+  ~AlignedFloats() { std::free(data_); }
+  float* data() { return data_; }
+  const float* data() const { return data_; }
+  float* begin() { return data_; }
+  float* end() { return data_ + size_; }
+  float& operator[](int64_t i) { return data_[i]; }
+
+ private:
+  float* data_;
+  int64_t size_;
+};
 
 inline vecf loadv(const float* p) {
   vecf v;
