@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.workers.attention_cases import MIXED, make_case, reference_attention
-from workers.attention import HostStaging, SeqSpan, StepMetadata, has_bf16_units, make_backend
+from workers.attention import HostStaging, SeqSpan, StepMetadata, has_amx, make_backend
 from workers.attention.torch_backend import TorchBackend, decode_groups, profiled
 from workers.kernels.cpu_ops import cpu_ops
 
@@ -254,11 +254,16 @@ def test_cpu_chunk_kernel_is_used_only_for_its_head_sizes_with_avx512():
         backend = make_backend("cpu", device=CPU, num_heads=4, num_kv_heads=2,
                                head_dim=head_dim, dtype=torch.float32)
         assert (backend.chunk_kernel is not None) == has_kernel
-    # bf16: SDPA where oneDNN has bf16 units for its blocks, the kernel elsewhere.
+    # bf16: SDPA where AMX tiles run its blocks, the kernel elsewhere.
     backend = make_backend("cpu", device=CPU, num_heads=4, num_kv_heads=2, head_dim=64,
                            dtype=torch.bfloat16)
-    assert (backend.chunk_kernel is not None) == (is_avx512 and not has_bf16_units())
+    assert (backend.chunk_kernel is not None) == (is_avx512 and not has_amx())
     assert backend.decode_kernel is not None
+
+
+def test_has_amx_reads_the_cpus_flags():
+    flags = Path("/proc/cpuinfo").read_text()
+    assert has_amx() == (" amx_tile" in flags)
 
 
 def test_cpu_backend_bf16_matches_the_torch_backend():

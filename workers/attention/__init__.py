@@ -24,6 +24,7 @@ build, else torch; on CUDA a Triton that fails to import is an error, not a fall
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -61,10 +62,17 @@ class AttentionBackend(Protocol):
     def prepare(self, meta: StepMetadata) -> AttentionStep: ...
 
 
-def has_bf16_units() -> bool:
-    """Whether oneDNN runs bf16 matrix products on this CPU's own bf16 units (AMX or
-    AVX512-BF16), where torch's bf16 GEMMs and SDPA blocks go."""
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+def has_amx() -> bool:
+    """Whether this CPU has AMX tiles, where oneDNN runs SDPA's bf16 blocks. Only there do
+    they beat the C++ chunk kernel: with AVX512-BF16 alone (a Zen 5 EPYC) SDPA's bf16
+    blocks ran at 150-177 GFLOP/s against the kernel's ~400."""
+    is_amx = getattr(torch.cpu, "_is_amx_tile_supported", None)  # torch >= 2.3
+    if is_amx is not None:
+        return bool(is_amx())
+    try:
+        return " amx_tile" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
 
 
 def make_backend(
@@ -84,12 +92,12 @@ def make_backend(
         if ops is not None and dtype in (torch.float32, torch.bfloat16):
             # The chunk kernel has register blocks for these head sizes, and beats SDPA
             # where it was built for AVX-512 (16 floats a register); elsewhere SDPA serves.
-            # Not for bf16 where oneDNN has bf16 units (AMX, AVX512-BF16): SDPA's blocks run
-            # on them there, and the kernel's fp32 FMAs ran at half its rate (512 queries
-            # over 5,500 keys: 27.5 against 12.5 ms a layer on a 2-core AMX Xeon).
+            # Not for bf16 on a CPU with AMX: SDPA's blocks run on its tiles there, and the
+            # kernel's fp32 FMAs ran at half its rate (512 queries over 5,500 keys: 27.5
+            # against 12.5 ms a layer on a 2-core AMX Xeon).
             chunk = (ops.chunk_attention if head_dim in CHUNK_KERNEL_HEAD_DIMS
                      and getattr(ops, "chunk_attention_width", 0) == 16
-                     and not (dtype == torch.bfloat16 and has_bf16_units()) else None)
+                     and not (dtype == torch.bfloat16 and has_amx()) else None)
             return TorchBackend(dtype, num_kv_heads, head_dim,
                                 decode_kernel=ops.decode_attention, chunk_kernel=chunk)
         name = "torch"  # no compiler here (logged once), or a dtype the kernel lacks
