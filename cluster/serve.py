@@ -171,8 +171,12 @@ def describe_budget(budget: dict[str, Any], config: TokenflowConfig | None = Non
         device = budget["device_name"]
         if "thread" not in device:  # a CPU's name says its threads already
             device += f", {budget['threads']} threads"
-        return (f"step budget {tokens} tokens: measured on worker 0 ({device}) in "
-                f"{budget['measure_s']:.1f} s, cached in {budget['path']}")
+        line = (f"step budget {tokens} tokens: measured on worker 0 ({device}) in "
+                f"{budget['measure_s']:.1f} s")
+        if not budget.get("is_cached", True):
+            return (f"{line}, while other processes used {budget['contention_cores']:.2f} "
+                    f"of its cores: not cached, the next start measures again")
+        return f"{line}, cached in {budget['path']}"
     if source == "cache":
         return f"step budget {tokens} tokens: worker 0's cached table {budget['path']}"
     if source == "file":

@@ -116,6 +116,8 @@ class AutoBudgetResult:
     is_measured: bool  # False: loaded from the cache
     measure_s: float  # seconds spent measuring (0 when loaded)
     pid: int  # the process that measured or loaded it
+    is_cached: bool = True  # False: measured while other processes were busy, not stored
+    contention_cores: float | None = None  # during the measurement kept (None: not judged)
 
 
 class BudgetTable:

@@ -54,6 +54,18 @@ class CalibrationConfig:
     cache_dir: Path | None = setting(None, description=(  # noqa: RUF009 a field spec
         "Folder of the cached budget tables, on the worker's machine; None: "
         "$TOKENFLOW_CACHE_DIR/budgets (~/.cache/tokenflow/budgets) of the worker's process."))
+    max_contention_cores: float = setting(0.3, ge=0, description=(
+        "Other processes' CPU use on the worker's cores, in cores beyond those its threads "
+        "leave free, above which a calibration measurement counts as disturbed: the "
+        "measurement waits for the cores to be quiet and is taken again "
+        "(workers/contention.py). A first start's table measured while Serve and the "
+        "ingress started on a 2-core machine came out 2-3x slow and was cached."))
+    quiet_wait_s: float = setting(20.0, ge=0, description=(
+        "Seconds a calibration waits in all for quiet cores (max_contention_cores) before "
+        "it measures anyway."))
+    max_measure_attempts: int = setting(3, ge=1, description=(
+        "Calibration measurements at most while they are disturbed; the least disturbed "
+        "is used, and cached only when it was quiet."))
     weight_bits: int | None = setting(None, ge=1, le=32, description=(
         "Bits per weight in the bandwidth constraint (INT4/INT8 scale the weight term by "
         "bits/16); None: the dtype's bits."))

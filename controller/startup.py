@@ -211,7 +211,8 @@ class Startup:
         resolved = opts.with_budget_table(BudgetTable(result.data), request.calibration)
         self.budget_source = {
             "source": "measured" if result.is_measured else "cache", "path": result.path,
-            "pid": result.pid, "measure_s": result.measure_s,
+            "pid": result.pid, "measure_s": result.measure_s, "is_cached": result.is_cached,
+            "contention_cores": result.contention_cores,
             "device_name": result.data["device_name"],
             "threads": result.data["spec"]["threads"],
             "max_num_batched_tokens": resolved.scheduler.max_num_batched_tokens}

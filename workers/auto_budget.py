@@ -34,6 +34,7 @@ import torch
 from controller.budget import SCHEMA_VERSION, AutoBudget, AutoBudgetResult, BudgetTable
 from controller.calibration import CalibrationConfig
 from workers.calibrate import CalibrationSpec, Calibrator, model_config_sha256
+from workers.contention import measure_quietly
 from workers.worker import Worker
 
 logger = logging.getLogger("tokenflow.calibration")
@@ -92,12 +93,24 @@ def load_or_calibrate(spec: CalibrationSpec, identity: Mapping[str, str],
                    "cached in %s", spec.model, identity.get("device_name", spec.device),
                    spec.dtype, spec.threads, path)
     started = time.perf_counter()
-    measured = measure(spec)
+    measured, quiet = measure_quietly(lambda: measure(spec), spec.threads,
+                                      cal.max_contention_cores, cal.quiet_wait_s,
+                                      cal.max_measure_attempts)
     measure_s = time.perf_counter() - started
+    if quiet.waited_s >= 1.0:
+        logger.warning("calibration: waited %.1f s for other processes to leave this "
+                       "worker's cores", quiet.waited_s)
     table = BudgetTable.fitted({**measured, "cache_key": key}, cal, itl_slo_ms)
-    _save(table, path)
-    logger.warning("budget table measured in %.1f s: %s", measure_s, path)
-    return AutoBudgetResult(table.data, str(path), True, measure_s, os.getpid())
+    is_quiet = quiet.is_quiet(cal.max_contention_cores)
+    if is_quiet:
+        _save(table, path)
+        logger.warning("budget table measured in %.1f s: %s", measure_s, path)
+    else:  # a disturbed table serves this run only: the next start measures again
+        logger.warning("budget table measured in %.1f s while other processes used %.2f "
+                       "cores of this worker's (%d tries): used now, not cached", measure_s,
+                       quiet.contention_cores, quiet.attempts)
+    return AutoBudgetResult(table.data, str(path), True, measure_s, os.getpid(),
+                            is_cached=is_quiet, contention_cores=quiet.contention_cores)
 
 
 def _save(table: BudgetTable, path: Path) -> None:
