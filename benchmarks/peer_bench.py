@@ -260,6 +260,7 @@ def run_served(model: str, rounds: int, vllm_python: str, log_dir: Path,
     out: dict[str, Any] = {"model": model, "checkpoint": folder, "dtype": dtype, "scene": {
         "num_users": scene.NUM_USERS, "user_prompt_len": scene.USER_PROMPT_LEN,
         "user_tokens": scene.USER_TOKENS, "long_at_s": scene.LONG_AT_S,
+        "long_at_user_share": scene.LONG_AT_USER_SHARE,
         "long_prompt_len": scene.LONG_PROMPT_LEN, "short_after_s": scene.SHORT_AFTER_S,
         "short_prompt_len": scene.SHORT_PROMPT_LEN}, "servers": {}}
     try:

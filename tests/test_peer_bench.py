@@ -5,6 +5,7 @@ breakdown is well formed, and the Must-show verdicts follow the numbers."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -22,7 +23,14 @@ from benchmarks.peer_bench import (
 )
 from benchmarks.peer_offline import OUTPUT_LEN, batch_line, prompts
 from benchmarks.peer_roofline import roofline, workload_flops
-from benchmarks.peer_scene import _q, summarize
+from benchmarks.peer_scene import (
+    LONG_AT_USER_SHARE,
+    NUM_USERS,
+    USER_TOKENS,
+    TokenCount,
+    _q,
+    summarize,
+)
 from workers.presets import resolve_model
 
 
@@ -168,3 +176,13 @@ def test_targets_follow_the_numbers() -> None:
     assert not t["served_long_ttft_vs_vllm<=1.2"]["met"]
     assert not t["served_users_tok_s_vs_vllm>=1.0"]["met"]
     assert not t["served_ready_vs_vllm<=0.25"]["met"]  # unknown is not met
+
+
+def test_the_long_prompt_arrives_once_the_users_have_their_share() -> None:
+    """On a fast machine the users must still be streaming when the long prompt lands: it
+    arrives at LONG_AT_S or once they hold LONG_AT_USER_SHARE of their tokens."""
+    counter = TokenCount(math.ceil(LONG_AT_USER_SHARE * NUM_USERS * USER_TOKENS))
+    counter.add(counter.target - 1)
+    assert not counter.reached.is_set()
+    counter.add(4)  # a decode burst's chunk names several tokens
+    assert counter.reached.is_set() and counter.count == counter.target + 3
