@@ -63,6 +63,15 @@ class WorkerHungError(WorkerCallError):
     """A call to the worker outlived its deadline."""
 
 
+def is_process_gone(err: WorkerCallError) -> bool:
+    """Whether Ray said the worker's process died or is restarting (a `RayActorError`:
+    Ray restarts it by itself), not that it hung or raised. By the class's name: this
+    module imports no Ray."""
+    cause = err.__cause__
+    return cause is not None and any(c.__name__ == "RayActorError"
+                                     for c in type(cause).__mro__)
+
+
 class SlotListener(Protocol):
     """Who hears of a slot's steps (the controller actor), given to it when it is built."""
 
@@ -167,7 +176,7 @@ class WorkerSlot:
                 if isinstance(err, WorkerHungError):
                     self.num_hangs += 1
                 logger.warning("worker %d failed: %s", self.index, err)
-                await self._recover()
+                await self._recover(kill=not is_process_gone(err))
                 continue
             if not stepped:
                 self.parked.set()
@@ -328,10 +337,13 @@ class WorkerSlot:
             plan.total_num_scheduled_tokens, context)
         return max(cfg.step_deadline_min_s, cfg.step_deadline_factor * predicted)
 
-    async def _recover(self) -> None:
+    async def _recover(self, kill: bool = True) -> None:
         """The worker died, hung or raised. Its requests move to the workers that are up
         (the core re-queues them to recompute), it is killed so Ray restarts it with
-        clean state, and it rejoins routing once a fresh incarnation answers."""
+        clean state (not when Ray said its process is gone: Ray is restarting it, and a
+        kill then could land on the new incarnation once it answered, failing the worker
+        a second time), and it rejoins routing once a fresh incarnation answers; an answer
+        from the failed one gets it killed."""
         self.num_failures += 1
         self.up.clear()
         self.loop.forget_in_flight()  # its result is lost with the worker's state
@@ -344,7 +356,8 @@ class WorkerSlot:
         self.listener.deliver(aborted)
         self.listener.on_requests_moved(moved_to)
         self.stepped.set()  # its requests left: a drain waiting on them is done
-        self.kill(self.handle)
+        if kill:
+            self.kill(self.handle)
         self.transport.close()  # a compiled graph dies with the worker's process
         backoff = Backoff(self.recovery.restart_backoff_s, self.recovery.restart_backoff_max_s)
         while True:
