@@ -122,6 +122,10 @@ class QuietReport:
         return self.contention_cores is None or self.contention_cores <= max_cores
 
 
+def _as_cores(contention: float | None) -> float:
+    return 0.0 if contention is None else contention  # not judged: counted as quiet
+
+
 def measure_quietly(measure: Callable[[], T], threads: int, max_cores: float,
                     quiet_wait_s: float, max_attempts: int) -> tuple[T, QuietReport]:
     """`measure()` once the cores are quiet (waiting at most `quiet_wait_s` in all), again
@@ -142,8 +146,7 @@ def measure_quietly(measure: Callable[[], T], threads: int, max_cores: float,
         result = measure()
         seen = probe.stop()
         contention = seen[0] if seen is not None and seen[1] >= MIN_JUDGED_S else None
-        if best is None or (contention is not None and best[1] is not None
-                            and contention < best[1]):
+        if best is None or _as_cores(contention) < _as_cores(best[1]):
             best = (result, contention)
         if contention is None or contention <= max_cores:
             break
