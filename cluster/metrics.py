@@ -193,9 +193,9 @@ def _worker_families(f: _Families, workers: list[WorkerStats], ids: list[int]) -
     defrag = f.counter("kv_defrag_moves", "KV blocks moved by defragmentation.", w)
     budget = f.histogram("step_budget_tokens", "Token budget of each non-empty step.", w)
     scheduled = f.histogram("step_scheduled_tokens", "Tokens scheduled per non-empty step by "
-                            "kind (a decode burst's: all of its steps').", ["worker", "kind"])
+                            "kind (a burst's: all of its steps').", ["worker", "kind"])
     duration = f.histogram("step_duration_seconds", "Plan to applied result, per step (a "
-                           "decode burst is one).", w)
+                           "burst is one).", w)
     score = f.histogram("budget_score", "Actual / budgeted prefill time per request.", w)
     for s_index, s in zip(ids, workers, strict=True):
         k = str(s_index)

@@ -108,6 +108,7 @@ class ControllerCore(Routing, Stepping):
             itl_slo_s=options.itl_slo_s, depth_stretch=options.depth_stretch,
             chunk_efficiency=options.chunk_efficiency)
         scheduler.max_decode_steps = pool.max_decode_steps
+        scheduler.max_chunk_steps = pool.max_chunk_steps
         return WorkerState(
             scheduler,
             FlowControl(options.flow, scheduler_config.max_concurrent_chunks),
@@ -123,10 +124,12 @@ class ControllerCore(Routing, Stepping):
     @staticmethod
     def pool_of(options: ControllerOptions, worker: WorkerFacts) -> PoolSpec:
         """A worker's pool as it reports it (`WorkerInfo`, an in-process `Worker`): its
-        blocks, and its decode bursts by its device (a worker without one: none)."""
+        blocks, its decode bursts by its device (a worker without one: none), its chunk
+        bursts as configured."""
         return PoolSpec(worker.num_kv_blocks, worker.block_size,
                         options.cache.enable_prefix_caching,
-                        options.scheduler.max_decode_steps(str(getattr(worker, "device", ""))))
+                        options.scheduler.max_decode_steps(str(getattr(worker, "device", ""))),
+                        options.scheduler.chunk_steps)
 
     @classmethod
     def for_workers(cls, options: ControllerOptions, workers: Sequence[WorkerFacts],

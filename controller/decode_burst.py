@@ -13,7 +13,14 @@ tokens as one list; the results side appends them up to the first that stops the
 a step planned ahead of a stop is). Greedy and seeded tokens are those of single steps.
 
 A burst is planned only when nothing else could run and nothing needs a token-by-token
-answer from outside the worker (`burst_len`). Torch-free.
+answer from outside the worker (`burst_len`).
+
+A chunk burst (`scheduler.chunk_steps`, `chunk_burst`) is the same for the steps
+that chunk one prompt beside the decodes: the plan's one chunk span of `n` tokens runs
+`num_steps` times too, each time on the prompt's next `n` tokens (the worker's state
+advances as in single steps), with the same decodes each time. Its last chunk is never in
+one (it samples, and would decode after), so the chunk's request has no pending output.
+Torch-free.
 """
 
 from __future__ import annotations
@@ -21,7 +28,8 @@ from __future__ import annotations
 from typing import Protocol
 
 from controller.request import Request
-from controller.scheduler_config import SchedulerConfig, StepLimits
+from controller.scheduler_config import SchedulerConfig, StepLimits, StepShape
+from controller.tenants import TenantStats
 from kvcache.manager import KVCacheManager
 
 
@@ -29,10 +37,14 @@ class Planning(Protocol):
     """What `burst_len` reads of the scheduler planning the step."""
 
     max_decode_steps: int
+    max_chunk_steps: int
     config: SchedulerConfig
     waiting: dict[str, Request]
     running: list[Request]
     kv: KVCacheManager
+    last_shape: StepShape
+    tenant_stats: TenantStats
+    requests: dict[str, Request]
 
 
 def burst_len(sched: Planning, limits: StepLimits) -> int:
@@ -43,23 +55,74 @@ def burst_len(sched: Planning, limits: StepLimits) -> int:
     max_tokens or the model's length, and only when the pool holds every request's blocks
     for the whole burst (the allocations then cannot preempt anyone)."""
     steps, config = sched.max_decode_steps, sched.config
-    could_admit = bool(sched.waiting) and len(sched.running) < config.max_num_seqs
-    if (steps <= 1 or could_admit or not sched.running
-            or len(sched.running) > config.max_num_batched_tokens
-            or (limits.max_chunks is not None
-                and limits.max_chunks < config.max_concurrent_chunks)):
+    if (steps <= 1 or _could_admit(sched) or not sched.running
+            or len(sched.running) > config.max_num_batched_tokens or _is_throttled(sched, limits)):
         return 1
     for request in sched.running:
-        params = request.sampling_params
-        if (not request.is_decoding or params.logprobs is not None
-                or params.prompt_logprobs is not None or params.grammar_kind or params.stop):
+        if not request.is_decoding:
             return 1
-        steps = min(steps, params.max_tokens - request.num_outputs_planned)
-        if request.max_model_len is not None:
-            steps = min(steps, request.max_model_len - request.num_tokens
-                        - request.num_pending_outputs)
+        steps = _decode_steps(request, steps)
         if steps <= 1:
             return 1
     needed = sum(sched.kv.num_blocks_needed(r.request_id, r.num_computed_tokens + steps)
                  for r in sched.running)
     return steps if sched.kv.pool.can_allocate(needed) else 1
+
+
+def chunk_burst(sched: Planning, limits: StepLimits, scheduled: dict[str, int]) -> int:
+    """Turn a planned single step (before its plan is filled) into a chunk burst when it
+    may be one; -> its steps. One: the step carries one chunk and every running request,
+    nobody waits who could be admitted, flow control does not throttle, the decodes pass
+    `burst_len`'s checks, the chunk leaves the prompt unfinished after the whole burst and
+    scores no prompt, and the pool holds every request's blocks for it. Then their blocks
+    are allocated for all the steps and the tenants' counts take the extra steps."""
+    steps = sched.max_chunk_steps
+    chunks = sched.last_shape.chunks
+    if (steps <= 1 or len(chunks) != 1 or len(scheduled) != len(sched.running)
+            or _could_admit(sched) or _is_throttled(sched, limits)):
+        return 1
+    for request_id, num_new in scheduled.items():
+        request = sched.requests[request_id]
+        if request_id in chunks:
+            if request.sampling_params.prompt_logprobs is not None:
+                return 1
+            # Strictly: a chunk that ends the prompt samples (and decodes after).
+            steps = min(steps, (request.num_tokens_to_compute - 1) // num_new)
+        else:
+            steps = _decode_steps(request, steps)
+        if steps <= 1:
+            return 1
+    totals = {rid: sched.requests[rid].num_computed_tokens + steps * num_new
+              for rid, num_new in scheduled.items()}
+    needed = sum(sched.kv.num_blocks_needed(rid, total) for rid, total in totals.items())
+    if not sched.kv.pool.can_allocate(needed):
+        return 1
+    for request_id, total in totals.items():
+        assert sched.kv.allocate_slots(request_id, total) is not None  # counted just now
+        request = sched.requests[request_id]
+        sched.tenant_stats.add(request.tenant, (steps - 1) * scheduled[request_id],
+                               is_prefill=request_id in chunks)
+    return steps
+
+
+def _could_admit(sched: Planning) -> bool:
+    """Someone waits who could be admitted now: a burst would delay them."""
+    return bool(sched.waiting) and len(sched.running) < sched.config.max_num_seqs
+
+
+def _is_throttled(sched: Planning, limits: StepLimits) -> bool:
+    return limits.max_chunks is not None and limits.max_chunks < sched.config.max_concurrent_chunks
+
+
+def _decode_steps(request: Request, steps: int) -> int:
+    """The burst a decoding request allows, at most `steps`: 1 for what is checked token by
+    token outside the worker's loop, never past its max_tokens or the model's length."""
+    params = request.sampling_params
+    if (params.logprobs is not None or params.prompt_logprobs is not None
+            or params.grammar_kind or params.stop):
+        return 1
+    steps = min(steps, params.max_tokens - request.num_outputs_planned)
+    if request.max_model_len is not None:
+        steps = min(steps, request.max_model_len - request.num_tokens
+                    - request.num_pending_outputs)
+    return steps

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator
 from controller.budget import StepCost
 from controller.choices import waits_for_shared_prompt
 from controller.chunk_size import DepthStretch, StepSpan
-from controller.decode_burst import burst_len
+from controller.decode_burst import burst_len, chunk_burst
 from controller.messages import CachedRequestData, CacheEvict, NewRequestData, StepPlan
 from controller.request import Request, RequestOutput, RequestStatus
 from controller.scheduler_config import SchedulerConfig, SchedulerStats, StepLimits, StepShape
@@ -51,7 +51,7 @@ class Scheduler(SchedulerResults):
                  step_cost: StepCost | None = None, itl_slo_s: float | None = None,
                  depth_stretch: float = 1.0, chunk_efficiency: float = 1.0):
         self.config = config
-        self.max_decode_steps = 1  # decode bursts (controller/decode_burst.py); core sets it
+        self.max_decode_steps = self.max_chunk_steps = 1  # controller/decode_burst.py (core)
         # Both set: chunks are sized by predicted step time (the core swaps in a refit).
         self.step_cost = step_cost
         self.itl_slo_s = itl_slo_s
@@ -60,8 +60,7 @@ class Scheduler(SchedulerResults):
         # >= 1: chunks are planned to itl_slo_s / slo_headroom (set from measured steps)
         self.slo_headroom = 1.0
         self.chunk_unit = math.lcm(kv.block_size, getattr(step_cost, "tile", 1))
-        self.kv = kv
-        self.block_size = kv.block_size
+        self.kv, self.block_size = kv, kv.block_size
         self.clock = clock or (lambda: 0.0)
         self.requests: dict[str, Request] = {}
         self.waiting: dict[str, Request] = {}  # ordered by sort_key when scheduling
@@ -163,7 +162,7 @@ class Scheduler(SchedulerResults):
         self._may_preempt = limits.may_preempt
 
         # 1: decodes, 1 token each, before any prefill; a burst when nothing else can run.
-        plan.num_steps = shape.num_steps = steps = burst_len(self, limits)
+        steps = burst_len(self, limits)
         for request in [r for r in self.running if r.is_decoding]:
             if budget == 0:
                 break
@@ -194,6 +193,7 @@ class Scheduler(SchedulerResults):
         if budget > 0 and max_chunks > 0:
             self._schedule_prefills(budget, max_chunks, scheduled, limits.chunk_cap,
                                     allow_admission, num_preemptions_before)
+        plan.num_steps = shape.num_steps = max(steps, chunk_burst(self, limits, scheduled))
 
         self._fill_plan(plan, scheduled)
         self.stats.num_steps += 1

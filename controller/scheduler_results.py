@@ -30,8 +30,9 @@ class SchedulerResults:
         shape = self._shapes.get(step_id)
         if shape is None:
             return max((r.num_tokens for r in self.running), default=0)
-        return max([shape.decode_context + 1,
-                    *(depth + num for num, depth in shape.chunks.values())])
+        steps = shape.num_steps  # a burst's last step reads the deepest
+        return max([shape.decode_context + steps,
+                    *(depth + num * steps for num, depth in shape.chunks.values())])
 
     def predicted_step_s(self, step_id: int) -> float | None:
         """The cost model's time of a planned step, a burst's steps together (None without
@@ -39,8 +40,7 @@ class SchedulerResults:
         shape = self._shapes.get(step_id)
         if self.step_cost is None or shape is None:
             return None
-        return shape.num_steps * self.step_cost.step_s(
-            list(shape.chunks.values()), shape.num_decodes, shape.decode_context)
+        return sum(self.step_cost.step_s(*step) for step in shape.steps())
 
     def pop_shape(self, step_id: int) -> StepShape | None:
         """The shape of a step whose result is in (None for a baseline policy's step)."""
@@ -57,7 +57,7 @@ class SchedulerResults:
                 continue  # aborted or preempted while the step ran
             is_prefill = request_id in shape.chunks if shape is not None else num_new > 1
             if is_prefill:
-                self.stats.num_prefill_tokens += num_new
+                self.stats.num_prefill_tokens += num_new * plan.num_steps
             else:
                 self.stats.num_decode_tokens += num_new * plan.num_steps
             sampled = result.sampled_token_ids.get(request_id, [])

@@ -8,7 +8,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from controller.messages import CacheEvict, RequestOutput, StepPlan, StepResult
+from controller.budget import StepCost
+from controller.messages import CacheEvict, ChunkComplete, RequestOutput, StepPlan, StepResult
 from controller.scheduler import StepLimits, StepShape
 from controller.worker_state import DegradedConfig, WorkerState
 
@@ -64,8 +65,8 @@ class Stepping:
                           if rid in shape.chunks) if shape.step_id == plan.step_id else \
             sum(n for n in plan.num_scheduled_tokens.values() if n > 1)  # a baseline's plan
         hists.budget_tokens.observe(sched.config.max_num_batched_tokens)
-        hists.prefill_tokens.observe(num_prefill)
-        # A decode burst computes its decodes num_steps times.
+        hists.prefill_tokens.observe(num_prefill * plan.num_steps)
+        # A burst computes its chunk and its decodes num_steps times.
         hists.decode_tokens.observe((plan.total_num_scheduled_tokens - num_prefill)
                                     * plan.num_steps)
 
@@ -106,28 +107,40 @@ class Stepping:
         events = result.chunk_events
         if not events:
             return
-        step_s = result.elapsed_s or max(e.elapsed_s for e in events)
         cost = state.step_cost
         if cost is not None and shape is not None and shape.chunks:
-            predicted = cost.step_s(list(shape.chunks.values()), shape.num_decodes,
-                                    shape.decode_context)
-            # Decodes keep their part; the chunks split the fixed cost and add their own.
-            for e in events:
-                budgeted = cost.prefill.a / len(events) + cost.marginal_s(e.num_tokens, e.start)
-                charged = step_s * budgeted / predicted if predicted > 0 else step_s
-                state.chunk_charges[(e.request_id, e.chunk_index)] = (charged, budgeted)
-            assert state.refit is not None
-            refitted = state.refit.observe(shape, step_s, cost)
-            if refitted is not None:
-                state.step_cost = state.scheduler.step_cost = refitted
-                state.protections.step_cost = refitted
-            state.scheduler.slo_headroom = state.refit.headroom
+            if shape.num_steps > 1:  # a chunk burst: one chunk a step, each its step's time
+                for event, step in zip(events, shape.steps(), strict=True):
+                    step_shape = StepShape(shape.step_id, {event.request_id: step[0][0]},
+                                           step[1], step[2])
+                    self._price_step(state, cost, step_shape, [event], event.elapsed_s)
+            else:
+                self._price_step(state, cost, shape, events,
+                                 result.elapsed_s or max(e.elapsed_s for e in events))
             return
+        step_s = result.elapsed_s or max(e.elapsed_s for e in events)
         alone = [state.protections.step_cost.chunk_s(e.num_tokens, e.start) for e in events]
         total = sum(alone)
         for e, budgeted in zip(events, alone, strict=True):
             charged = step_s * budgeted / total if total > 0 else e.elapsed_s
             state.chunk_charges[(e.request_id, e.chunk_index)] = (charged, budgeted)
+
+    @staticmethod
+    def _price_step(state: WorkerState, cost: StepCost, shape: StepShape,
+                    events: list[ChunkComplete], step_s: float) -> None:
+        predicted = cost.step_s(list(shape.chunks.values()), shape.num_decodes,
+                                shape.decode_context)
+        # Decodes keep their part; the chunks split the fixed cost and add their own.
+        for e in events:
+            budgeted = cost.prefill.a / len(events) + cost.marginal_s(e.num_tokens, e.start)
+            charged = step_s * budgeted / predicted if predicted > 0 else step_s
+            state.chunk_charges[(e.request_id, e.chunk_index)] = (charged, budgeted)
+        assert state.refit is not None
+        refitted = state.refit.observe(shape, step_s, cost)
+        if refitted is not None:
+            state.step_cost = state.scheduler.step_cost = refitted
+            state.protections.step_cost = refitted
+        state.scheduler.slo_headroom = state.refit.headroom
 
     def take_outbox(self, worker: int) -> list[RequestOutput]:
         """Outputs no step has carried yet (requests a protection aborted)."""

@@ -30,6 +30,7 @@ class PoolSpec:
     block_size: int
     enable_prefix_caching: bool = True
     max_decode_steps: int = 1  # longest decode burst a plan may ask of it (scheduler.decode_steps)
+    max_chunk_steps: int = 1  # longest chunk burst (scheduler.chunk_steps)
 
 
 Event = ChunkComplete | CacheEvict

@@ -112,18 +112,35 @@ class StepResults:
         result = self._finish_step(plan, pending.spans, sampled, elapsed_s)
         return self._add_logprobs(result, pending, sampled)
 
+    @staticmethod
+    def _check_burst(plan: StepPlan, scheduled: list[tuple[str, RequestState, int, int]]
+                     ) -> None:
+        """A burst runs its spans `num_steps` times: decodes of 1 token and at most one
+        chunk, which must not reach its prompt's end (it would sample, then decode) before
+        the burst's last step. Checked before the first step runs."""
+        if plan.num_steps == 1:
+            return
+        chunks = [(rid, state, begin, n) for rid, state, begin, n in scheduled if n > 1]
+        if len(chunks) > 1:
+            raise ValueError(f"step {plan.step_id}: a burst carries one chunk at most")
+        for request_id, state, begin, num_tokens in chunks:
+            if begin + plan.num_steps * num_tokens >= len(state.token_ids):
+                raise ValueError(f"{request_id}: a chunk burst reaches the prompt's end")
+
     @torch.inference_mode()
     def _run_burst(self, plan: StepPlan, result: StepResult) -> None:
-        """Steps 2.. of a decode burst (`StepPlan.num_steps`), into `result`: each decodes
-        every request of the plan once more, on the token the step before sampled. The
-        controller allocated the blocks for all of them and drops what follows a stop, so
-        every request runs every step (its state stays the one the controller planned)."""
+        """Steps 2.. of a burst (`StepPlan.num_steps`), into `result`: each decodes every
+        decoding request of the plan once more, on the token the step before sampled, and
+        runs the chunk's next span of the prompt (its own `chunk_complete`). The controller
+        allocated the blocks for all of them and drops what follows a stop, so every
+        request runs every step (its state stays the one the controller planned)."""
         again = StepPlan(plan.step_id, num_scheduled_tokens=dict(plan.num_scheduled_tokens),
                          total_num_scheduled_tokens=plan.total_num_scheduled_tokens)
         for _ in range(plan.num_steps - 1):
             step = self._wait_one(self._launch(again))
             for request_id, tokens in step.sampled_token_ids.items():
                 result.sampled_token_ids[request_id].extend(tokens)
+            result.chunk_events.extend(step.chunk_events)
             result.elapsed_s += step.elapsed_s
             result.bytes_moved += step.bytes_moved
             result.num_tokens += step.num_tokens

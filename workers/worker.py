@@ -291,8 +291,6 @@ class Worker(StepResults):
         for: the next plan's inputs include the tokens this one samples."""
         if self._launched:
             raise RuntimeError("a launched step was not waited for")
-        if plan.num_steps > 1 and any(n != 1 for n in plan.num_scheduled_tokens.values()):
-            raise ValueError(f"step {plan.step_id}: a decode burst schedules 1 token a request")
         try:
             pending = self._launch(plan)
         except BaseException:
@@ -337,6 +335,7 @@ class Worker(StepResults):
                     f"{request_id}: {end} tokens exceed max_model_len {self._config.max_model_len}"
                 )
             scheduled.append((request_id, state, begin, num_tokens))
+        self._check_burst(plan, scheduled)
         if self.kv_provenance is not None:  # before the forward: a failed step writes no KV
             self.kv_provenance.check_step(plan.block_moves, scheduled)
         pending = PendingStep(plan, start_s, start_event=start_event)

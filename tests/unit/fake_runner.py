@@ -9,8 +9,9 @@ the scheduled tokens fails the test. With `check_kv` it also keeps what each KV 
 slot holding anything else: a prefix hit on a block never written or overwritten since, a
 block freed while still read, a lost defragmentation move. It samples a seeded token
 whenever a request's known tokens are all computed, and reports `chunk_complete` events
-with a scripted cost and bandwidth. A decode burst (`StepPlan.num_steps`) runs its 1-token
-spans that many times, each on the token sampled the time before, as the worker does.
+with a scripted cost and bandwidth. A burst (`StepPlan.num_steps`) runs its spans that many
+times, its decodes each on the token sampled the time before, its chunk (one at most) on
+the prompt's next tokens, each step with its own events, as the worker does.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class FakeRunner:
         self.kv: dict[int, list[tuple[int, ...] | None]] | None = {} if check_kv else None
         self.num_kv_checked = 0  # context slots verified
         self.num_bursts = 0  # plans with num_steps > 1 run
+        self.num_chunk_bursts = 0  # ... of them with a chunk
 
     @property
     def held(self) -> dict[str, list[int]]:
@@ -92,21 +94,29 @@ class FakeRunner:
             assert request_id in self.requests, f"{request_id} scheduled, never sent"
         result = StepResult(step_id=plan.step_id, num_tokens=plan.total_num_scheduled_tokens,
                             bandwidth_utilization=self.bandwidth())
-        if plan.num_steps > 1:  # a decode burst: the same 1-token spans, num_steps times
-            assert all(n == 1 for n in plan.num_scheduled_tokens.values()), "burst of chunks"
-            assert not plan.new_requests, "a burst carries no new request"
+        if plan.num_steps > 1:  # a burst: the same spans num_steps times, one chunk at most
+            chunks = [rid for rid, n in plan.num_scheduled_tokens.items() if n > 1]
+            assert len(chunks) <= 1, "a burst of several chunks"
             self.num_bursts += 1
+            self.num_chunk_bursts += bool(chunks)
         for _ in range(plan.num_steps):
-            self._run_spans(plan, result)
+            step = StepResult(plan.step_id)
+            self._run_spans(plan, step, is_burst=plan.num_steps > 1)
+            for request_id, tokens in step.sampled_token_ids.items():
+                result.sampled_token_ids.setdefault(request_id, []).extend(tokens)
+            result.chunk_events += step.chunk_events
+            result.elapsed_s += step.elapsed_s
         result.num_tokens *= plan.num_steps
         return result
 
-    def _run_spans(self, plan: StepPlan, result: StepResult) -> None:
+    def _run_spans(self, plan: StepPlan, result: StepResult, is_burst: bool) -> None:
         for request_id, num_new in plan.num_scheduled_tokens.items():
             req = self.requests[request_id]
             start = req.num_computed_tokens
             end = start + num_new
             assert num_new > 0 and end <= len(req.token_ids), (request_id, start, num_new)
+            # A burst's chunk never samples: the next step would schedule past its tokens.
+            assert not (is_burst and num_new > 1 and end == len(req.token_ids)), request_id
             assert end <= len(req.block_ids) * self.block_size, "block table too small"
             if self.kv is not None:
                 self._check_and_write_kv(request_id, req, start, end)

@@ -87,15 +87,19 @@ def workload() -> list[tuple[str, list[int], SamplingParams]]:
     return out
 
 
-def run_all(is_async: bool | None, decode_steps: int | None = None
-            ) -> tuple[dict[str, tuple[list[int], FinishReason | None]], OrderedWorkerHandle,
-                       dict[str, Any]]:
+Outputs = dict[str, tuple[list[int], FinishReason | None]]
+
+
+def run_all(is_async: bool | None, decode_steps: int | None = None,
+            chunk_steps: int = 1,
+            requests: list[tuple[str, list[int], SamplingParams]] | None = None
+            ) -> tuple[Outputs, OrderedWorkerHandle, dict[str, Any]]:
     handle = OrderedWorkerHandle()
     options = ControllerOptions(
         worker=WorkerConfig(num_workers=1),
         scheduler=SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8,
                                   max_chunk_tokens=8, async_scheduling=is_async,
-                                  decode_steps=decode_steps))
+                                  decode_steps=decode_steps, chunk_steps=chunk_steps))
 
     async def main() -> tuple[dict[str, tuple[list[int], FinishReason | None]],
                               dict[str, Any]]:
@@ -103,7 +107,7 @@ def run_all(is_async: bool | None, decode_steps: int | None = None
                                 kill_worker=lambda h: None)
         client = RayControllerClient(LocalHandle(actor))
         results = await asyncio.gather(*(run_request(client, prompt, params, rid)
-                                         for rid, prompt, params in workload()))
+                                         for rid, prompt, params in requests or workload()))
         report = await actor.check_integrity()
         assert all(w["checked"] for w in report["workers"]), report
         assert actor.core is not None

@@ -5,10 +5,13 @@ slot), and through the controller actor planning ahead: the tokens of single ste
 from __future__ import annotations
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 
+from controller.core import ControllerCore
 from controller.messages import SamplingParams, TokenLogprob
+from controller.options import ControllerOptions
 from controller.request import Request
 from controller.scheduler import Scheduler, SchedulerConfig
 from controller.scheduler_config import DEFAULT_CPU_DECODE_STEPS, StepLimits
@@ -133,4 +136,99 @@ def test_bursts_planned_ahead_through_the_actor_give_the_serial_tokens() -> None
     assert got == sync
     for rid, _, params in workload():
         assert len(got[rid][0]) <= params.max_tokens, rid
+    assert stats["num_unfinished"] == 0
+
+
+# -- chunk bursts: a prompt chunked beside decoding requests -----------------------------
+def chunking(chunk_steps: int, num_blocks: int = 64) -> tuple[Scheduler, FakeRunner]:
+    config = SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=8, max_chunk_tokens=4)
+    sched = Scheduler(config, KVCacheManager(BlockPool(num_blocks, 4)))
+    sched.max_decode_steps, sched.max_chunk_steps = 4, chunk_steps
+    return sched, FakeRunner(sched, sample=next_token, check_kv=True)
+
+
+def run_chunked(chunk_steps: int) -> tuple[Scheduler, FakeRunner, list[Request], list[int]]:
+    """Two users decode; then a 48-token prompt arrives, cut into 4-token chunks."""
+    sched, runner = chunking(chunk_steps)
+    users = [add(sched, f"u{i}", replace(PLAIN, max_tokens=30)) for i in range(2)]
+    runner.step()
+    long = add(sched, "long", replace(PLAIN, max_tokens=4), prompt_len=48)
+    plans = []
+    while sched.has_unfinished():
+        plan = sched.schedule()
+        plans.append(plan.num_steps if "long" in plan.num_scheduled_tokens
+                     and plan.num_scheduled_tokens["long"] > 1 else 0)
+        sched.update_from_output(plan, runner.execute(plan))
+    assert sched.kv.pool.stats().num_used == 0
+    return sched, runner, [*users, long], plans
+
+
+def test_a_chunked_prompt_runs_in_chunk_bursts_with_single_step_tokens() -> None:
+    single, _, single_requests, single_plans = run_chunked(1)
+    sched, runner, requests, plans = run_chunked(2)
+    assert [r.output_token_ids for r in requests] == [r.output_token_ids
+                                                      for r in single_requests]
+    # 48 tokens, 4 a chunk: bursts of 2 while more than 8 are left, then the prompt's last
+    # 2 chunks one by one (the one that samples is never in a burst).
+    assert single_plans.count(1) == 12 and all(n in (0, 1) for n in single_plans)
+    assert plans.count(2) == 5 and plans.count(1) == 2, plans
+    assert runner.num_chunk_bursts == 5
+    # Every chunk reported (one event a step) and every token counted once.
+    assert runner.request_to_num_chunks["long"] == 12
+    for got in (single, sched):
+        assert got.stats.num_prefill_tokens == 2 * 6 + 48
+        assert got.tenant_stats.tenant_to_prefill_tokens["default"] == 2 * 6 + 48
+        assert got.stats.num_decode_tokens == 2 * 29 + 3
+
+
+def test_no_chunk_burst_while_a_request_waits_or_flow_control_throttles() -> None:
+    sched, runner = chunking(2)
+    add(sched, "u", replace(PLAIN, max_tokens=30))
+    runner.step()
+    add(sched, "long", prompt_len=48)
+    assert sched.schedule(StepLimits(max_chunks=1)).num_steps == 1
+    add(sched, "late")  # arrives while the long prompt is chunked: it is admitted next
+    plan = sched.schedule()
+    assert plan.num_steps == 1 and plan.num_scheduled_tokens["late"] == 4
+
+
+@pytest.mark.parametrize("params", [
+    replace(PLAIN, prompt_logprobs=1), replace(PLAIN, logprobs=1)],
+    ids=["chunk-scores-its-prompt", "a-decode-asks-logprobs"])
+def test_no_chunk_burst_for_what_is_checked_token_by_token(params: SamplingParams) -> None:
+    sched, runner = chunking(2)
+    is_prompt = params.prompt_logprobs is not None
+    add(sched, "u", PLAIN if is_prompt else params)
+    runner.step()
+    add(sched, "long", params if is_prompt else PLAIN, prompt_len=48)
+    assert sched.schedule().num_steps == 1
+
+
+def test_a_chunk_burst_needs_the_blocks_of_all_its_steps() -> None:
+    # 4-token blocks: the user's 4-token prompt and its next 2 tokens take 2; the long
+    # prompt's first chunk (4 tokens) 1 more, a burst of 2 chunks 2: 3 blocks hold the
+    # single step, not the burst.
+    sched, runner = chunking(2, num_blocks=3)
+    add(sched, "u", replace(PLAIN, max_tokens=4), prompt_len=4)
+    runner.step()
+    add(sched, "long", replace(PLAIN, max_tokens=1), prompt_len=11)
+    plan = sched.schedule()
+    assert plan.num_steps == 1 and plan.num_scheduled_tokens == {"u": 1, "long": 4}
+
+
+def test_chunk_bursts_are_off_unless_configured() -> None:
+    worker = SimpleNamespace(num_kv_blocks=64, block_size=4, device="cpu")
+    assert ControllerCore.pool_of(ControllerOptions(), worker).max_chunk_steps == 1
+    options = ControllerOptions(scheduler=SchedulerConfig(chunk_steps=3))
+    assert ControllerCore.pool_of(options, worker).max_chunk_steps == 3
+
+
+def test_chunk_bursts_planned_ahead_through_the_actor_give_the_serial_tokens() -> None:
+    # Two users and a 60-token prompt chunked 8 tokens a step beside them.
+    requests = [(f"u{i}", [5 + i] * 8, replace(PLAIN, max_tokens=30)) for i in range(2)]
+    requests.append(("long", [(3 * j) % 90 + 1 for j in range(60)], PLAIN))
+    sync, _, _ = run_all(False, requests=requests)
+    got, handle, stats = run_all(True, decode_steps=4, chunk_steps=2, requests=requests)
+    assert handle.runner.num_chunk_bursts > 0
+    assert got == sync
     assert stats["num_unfinished"] == 0
