@@ -12,6 +12,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -193,6 +194,22 @@ constexpr int64_t kRows = 32;  // query rows per item
 constexpr int64_t kKeyVecs = 4;  // registers of scores per query vector
 constexpr int64_t kKeys = kKeyVecs * kWidth;  // keys per tile: 64 with AVX-512
 
+// Items [0, total) handed out one at a time to torch's threads: `body(next)` runs once per
+// thread and takes items with next() until it returns -1. A static split (each thread its
+// half) waits at the region's end for a thread whose core another process took meanwhile;
+// here the other thread takes its items, and the wait is at most the item in hand (on 2
+// cores the controller, the ingress and Ray's daemons run on the step's cores).
+template <typename Body>
+void parallel_items(int64_t total, const Body& body) {
+  std::atomic<int64_t> counter{0};
+  auto next = [&]() -> int64_t {
+    const int64_t item = counter.fetch_add(1, std::memory_order_relaxed);
+    return item < total ? item : -1;
+  };
+  const int64_t num_tasks = std::max<int64_t>(std::min<int64_t>(at::get_num_threads(), total), 1);
+  at::parallel_for(0, num_tasks, 1, [&](int64_t, int64_t) { body(next); });
+}
+
 inline veci lanes() {
   veci v;
   for (int32_t i = 0; i < kWidth; ++i) v[i] = i;
@@ -288,8 +305,8 @@ void chunk_attention_impl(const T* q, int64_t q_row_stride, const T* k_cache, co
   const int64_t num_key_tiles = (ctx + kKeys - 1) / kKeys;
   AlignedFloats kt_all(num_kv_heads * num_key_tiles * HD * kKeys);
   AlignedFloats vt_all(std::is_same_v<T, float> ? 0 : num_kv_heads * ctx * HD);
-  at::parallel_for(0, num_kv_heads * num_key_tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
+  parallel_items(num_kv_heads * num_key_tiles, [&](const auto& next) {
+    for (int64_t t; (t = next()) >= 0;) {
       const int64_t kv = t / num_key_tiles, k0 = (t % num_key_tiles) * kKeys;
       float* kt = kt_all.data() + t * HD * kKeys;
       const int64_t tk = std::min(kKeys, ctx - k0);
@@ -311,7 +328,7 @@ void chunk_attention_impl(const T* q, int64_t q_row_stride, const T* k_cache, co
       }
     }
   });
-  at::parallel_for(0, num_kv_heads * num_tiles, 1, [&](int64_t begin, int64_t end) {
+  parallel_items(num_kv_heads * num_tiles, [&](const auto& next) {
     // total: each vector's softmax sum, kept per lane (summed across lanes at the end).
     AlignedFloats qf(max_vectors * HD), acc(max_vectors * HD), peak(max_vectors),
         total(max_vectors * kWidth);
@@ -320,8 +337,9 @@ void chunk_attention_impl(const T* q, int64_t q_row_stride, const T* k_cache, co
     const veci lane = lanes();
     const vecf zero = {};
     const vecf neg_inf = zero - std::numeric_limits<float>::infinity();
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t kv = item / num_tiles, r0 = (item % num_tiles) * kRows;
+    for (int64_t item; (item = next()) >= 0;) {
+      // KV heads alternate: threads in step each keep to one head's keys and values.
+      const int64_t kv = item % num_kv_heads, r0 = (item / num_kv_heads) * kRows;
       const int64_t rows = std::min(kRows, n - r0);
       const int64_t num_vectors = rows * group;  // vector x: row x / group, head x % group
       const int64_t padded = (num_vectors + kQueries - 1) / kQueries * kQueries;
