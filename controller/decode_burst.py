@@ -34,7 +34,7 @@ from kvcache.manager import KVCacheManager
 
 
 class Planning(Protocol):
-    """What `burst_len` reads of the scheduler planning the step."""
+    """What `burst_len` and `chunk_burst` read of the scheduler planning the step."""
 
     max_decode_steps: int
     max_chunk_steps: int
@@ -98,7 +98,8 @@ def chunk_burst(sched: Planning, limits: StepLimits, scheduled: dict[str, int]) 
     if not sched.kv.pool.can_allocate(needed):
         return 1
     for request_id, total in totals.items():
-        assert sched.kv.allocate_slots(request_id, total) is not None  # counted just now
+        allocated = sched.kv.allocate_slots(request_id, total)
+        assert allocated is not None  # the pool was asked for all of them just now
         request = sched.requests[request_id]
         sched.tenant_stats.add(request.tenant, (steps - 1) * scheduled[request_id],
                                is_prefill=request_id in chunks)

@@ -110,9 +110,13 @@ class Stepping:
         cost = state.step_cost
         if cost is not None and shape is not None and shape.chunks:
             if shape.num_steps > 1:  # a chunk burst: one chunk a step, each its step's time
-                for event, step in zip(events, shape.steps(), strict=True):
-                    step_shape = StepShape(shape.step_id, {event.request_id: step[0][0]},
-                                           step[1], step[2])
+                # A decode recomputing an admitted token (after a preemption) reports an
+                # event too: it keeps the protections' default price.
+                (chunk_id,) = shape.chunks
+                own = [e for e in events if e.request_id == chunk_id]
+                for event, step in zip(own, shape.steps(), strict=False):
+                    step_shape = StepShape(shape.step_id, {chunk_id: step[0][0]}, step[1],
+                                           step[2])
                     self._price_step(state, cost, step_shape, [event], event.elapsed_s)
             else:
                 self._price_step(state, cost, shape, events,

@@ -92,14 +92,16 @@ Outputs = dict[str, tuple[list[int], FinishReason | None]]
 
 def run_all(is_async: bool | None, decode_steps: int | None = None,
             chunk_steps: int = 1,
-            requests: list[tuple[str, list[int], SamplingParams]] | None = None
+            requests: list[tuple[str, list[int], SamplingParams]] | None = None,
+            step_cost: StepCost | None = None
             ) -> tuple[Outputs, OrderedWorkerHandle, dict[str, Any]]:
     handle = OrderedWorkerHandle()
     options = ControllerOptions(
         worker=WorkerConfig(num_workers=1),
         scheduler=SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8,
                                   max_chunk_tokens=8, async_scheduling=is_async,
-                                  decode_steps=decode_steps, chunk_steps=chunk_steps))
+                                  decode_steps=decode_steps, chunk_steps=chunk_steps),
+        step_cost=step_cost, itl_slo_s=None if step_cost is None else 1e6)
 
     async def main() -> tuple[dict[str, tuple[list[int], FinishReason | None]],
                               dict[str, Any]]:

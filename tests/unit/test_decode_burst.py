@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from controller.budget import LinearFit, StepCost
 from controller.core import ControllerCore
 from controller.messages import SamplingParams, TokenLogprob
 from controller.options import ControllerOptions
@@ -228,7 +229,13 @@ def test_chunk_bursts_planned_ahead_through_the_actor_give_the_serial_tokens() -
     requests = [(f"u{i}", [5 + i] * 8, replace(PLAIN, max_tokens=30)) for i in range(2)]
     requests.append(("long", [(3 * j) % 90 + 1 for j in range(60)], PLAIN))
     sync, _, _ = run_all(False, requests=requests)
-    got, handle, stats = run_all(True, decode_steps=4, chunk_steps=2, requests=requests)
+    # With a cost model: each step of a burst is priced and refitted as its own step.
+    fit = LinearFit(1e-4, 1e-6, 0.0)
+    got, handle, stats = run_all(True, decode_steps=4, chunk_steps=2, requests=requests,
+                                 step_cost=StepCost(fit, fit))
     assert handle.runner.num_chunk_bursts > 0
     assert got == sync
     assert stats["num_unfinished"] == 0
+    # Every chunk the fake ran reached flow control and the protections, once.
+    (worker,) = stats["workers"]
+    assert worker["num_chunk_complete"] == sum(handle.runner.request_to_num_chunks.values())
