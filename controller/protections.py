@@ -70,6 +70,21 @@ class ProtectionConfig:
         "cost model by more than deviation_threshold, the model is refitted on them."))
     refit_deviating_share: float = setting(0.75, gt=0, le=1, description=(
         "Share of the refit window's steps that must deviate to trigger a refit."))
+    refit_min_token_spread: float = setting(2.0, ge=1, description=(
+        "A refit fits the model's coefficients by least squares only when the window's "
+        "chunks span at least this ratio of sizes (largest / smallest), and keeps that fit "
+        "only when, fitted on the window's smaller chunks, it predicts the larger ones "
+        "(and the other way round) better than the scaled model does; otherwise the model "
+        "is scaled. The steps of one long prompt have chunks of nearly one size going "
+        "deeper: fitted on them, least squares traded the fixed cost against the per-token "
+        "one (a 5 ms, b 0.234 ms a token became a 34 ms, b 0.168 ms), and the chunks it "
+        "then planned depended on which fit a server happened to get. The decodes must "
+        "vary too (their count or depth): with the same decodes in every step their cost "
+        "and the fixed cost are one number to least squares."))
+    refit_least_squares_gain: float = setting(0.8, gt=0, le=1, description=(
+        "Least squares is kept only when its held-out median error is at most this share "
+        "of the scaled model's: with noisy steps a fit of five coefficients beats scaling "
+        "by a little on noise alone, and it is the one that extrapolates worse."))
 
     def __post_init__(self) -> None:
         check_settings(self)

@@ -4,9 +4,10 @@ Every step that carried prefill chunks is priced by the current model; the last
 `refit_window` of them (shape and measured time: bounded memory) are kept. When at least
 `refit_deviating_share` of that window is more than `deviation_threshold` off the model,
 a new model is fitted on the window: least squares over the step's fixed cost, tokens,
-(query, key) pairs, decodes and decode pairs when the window varies enough to tell them
-apart and that fit is the better one, else the current model scaled by the median
-measured / predicted ratio (a device that got uniformly slower or faster). The window
+(query, key) pairs, decodes and decode pairs when the window's chunk sizes spread enough
+to tell them apart and that fit, made on one half of the sizes, predicts the other half
+better than scaling does; else the current model scaled by the median measured /
+predicted ratio (a device that got uniformly slower or faster). The window
 then starts afresh, so one drift gives one refit; a refit that would not predict the
 window better is dropped (noise, not drift).
 
@@ -78,7 +79,7 @@ class OnlineRefit:
                 sum(d for _, d in self.window) < cfg.refit_deviating_share * cfg.refit_window:
             return None
         samples = [s for s, _ in self.window]
-        refit, how = _refit(samples, cost)
+        refit, how = _refit(samples, cost, cfg)
         self.window.clear()
         before = statistics.median(_errors(samples, cost))
         after = statistics.median(_errors(samples, refit))
@@ -96,22 +97,51 @@ def _errors(samples: list[StepSample], cost: StepCost) -> list[float]:
             for s in samples]
 
 
-def _refit(samples: list[StepSample], cost: StepCost) -> tuple[StepCost, str]:
+def _refit(samples: list[StepSample], cost: StepCost,
+           config: ProtectionConfig) -> tuple[StepCost, str]:
+    """Least squares when the window's chunk sizes and decodes spread and the fit, made on
+    either half of the sizes, predicts the other half clearly better than scaling does
+    (`refit_least_squares_gain`), and the whole window better too; else the scaled model.
+    Held out by size, not at random: the scheduler uses the model to price chunks of
+    other sizes than it saw, so a fit must extrapolate, not only interpolate."""
+    scaled = _scaled(samples, cost)
+    tokens = sorted({t for s in samples for t, _ in s.chunks})
+    depths = {c for s in samples for _, c in s.chunks}
+    spread = config.refit_min_token_spread
+    num_decodes = {s.num_decodes for s in samples}
+    decode_depths = [s.decode_context + 1 for s in samples if s.num_decodes]
+    decodes_vary = len(num_decodes) > 1 or (
+        bool(decode_depths) and max(decode_depths) >= spread * min(decode_depths))
+    if len(tokens) < 3 or len(depths) < 2 or not decodes_vary or tokens[-1] < spread * tokens[0]:
+        return scaled, "scaled"  # too little spread to tell the coefficients apart
+    by_size = sorted(samples, key=lambda s: sum(t for t, _ in s.chunks))
+    half = len(by_size) // 2
+    small, large = by_size[:half], by_size[half:]
+    held_fit = [*_errors(large, _least_squares(small, cost)),
+                *_errors(small, _least_squares(large, cost))]
+    held_scaled = [*_errors(large, _scaled(small, cost)), *_errors(small, _scaled(large, cost))]
+    if statistics.median(held_fit) > config.refit_least_squares_gain * \
+            statistics.median(held_scaled):
+        return scaled, "scaled"
+    fitted = _least_squares(samples, cost)
+    if statistics.median(_errors(samples, fitted)) < statistics.median(_errors(samples, scaled)):
+        return fitted, "least squares"
+    return scaled, "scaled"
+
+
+def _scaled(samples: list[StepSample], cost: StepCost) -> StepCost:
     ratios = [s.elapsed_s / cost.step_s(s.chunks, s.num_decodes, s.decode_context)
               for s in samples]
-    scaled = cost.scaled(statistics.median(ratios))
-    tokens = {t for s in samples for t, _ in s.chunks}
-    depths = {c for s in samples for _, c in s.chunks}
-    if len(tokens) < 3 or len(depths) < 2:  # too little spread to fit five coefficients
-        return scaled, "scaled"
+    return cost.scaled(statistics.median(ratios))
+
+
+def _least_squares(samples: list[StepSample], cost: StepCost) -> StepCost:
+    """Fixed cost, tokens, (query, key) pairs, decodes and decode pairs, >= 0."""
     rows = []
     for s in samples:
         padded = [(pad(t, cost.tile), c) for t, c in s.chunks]
         rows.append([1.0, sum(t for t, _ in padded), sum(chunk_pairs(t, c) for t, c in padded),
                      s.num_decodes, s.num_decodes * (s.decode_context + 1.0)])
     a, b, c, d, e = fit_nonneg(rows, [s.elapsed_s for s in samples])
-    fitted = StepCost(LinearFit(a, b, c), LinearFit(cost.decode.a * a / max(
+    return StepCost(LinearFit(a, b, c), LinearFit(cost.decode.a * a / max(
         cost.prefill.a, 1e-12), d, e), cost.tile)
-    if statistics.median(_errors(samples, fitted)) < statistics.median(_errors(samples, scaled)):
-        return fitted, "least squares"
-    return scaled, "scaled"
