@@ -13,11 +13,10 @@ are chunked at once (a long waiting prompt over that cap is passed over, not blo
 queue), and while short prompts wait, long chunks leave them `short_prefill_share` of the
 step's prefill budget, so a prompt that fits in one chunk is admitted in the next step;
 with one chunk a step (throttled or degraded), short prompts and long chunks take turns.
-With a step cost model and an ITL SLO, each chunk is the largest (on the block/tile grid)
-whose step, the decodes riding along included, is predicted under the SLO at the request's
-current depth: deeper chunks get smaller (with the derived SLO, never below the smallest
-efficient at their depth, `slo.max_depth_stretch`, except in a step that carries a short
-prompt's first chunk), shallow ones use the whole SLO.
+With a step cost model and an ITL SLO, each chunk is the largest (block/tile grid) whose
+step, decodes included, is predicted under the SLO at the request's depth (a share of it
+while a short prompt waits): deeper chunks get smaller (with the derived SLO, never below
+the smallest efficient at their depth but beside a short prompt: `slo.max_depth_stretch`).
 A running request that cannot get a block preempts by recompute the lowest-priority,
 latest-arrived running request (possibly itself), which returns to the waiting queue
 ahead of every later arrival of its priority. Waiting requests never preempt.
@@ -174,10 +173,9 @@ class Scheduler(SchedulerResults):
                 scheduled[request.request_id] = 1
                 budget -= 1
                 self.tenant_stats.add(request.tenant, steps, is_prefill=False)
-        for request_id in scheduled:  # preemption may have dropped earlier ones
-            shape.num_decodes += 1
-            shape.decode_context = max(shape.decode_context,
-                                       self.requests[request_id].num_computed_tokens)
+        shape.num_decodes = len(scheduled)  # preemption may have dropped earlier ones
+        shape.decode_context = max((self.requests[rid].num_computed_tokens
+                                    for rid in scheduled), default=0)
 
         # 2 + 3: partial prefills, then admissions; admissions only if nothing was
         # preempted this step (a preemption means the pool is full: admitting would thrash).
@@ -365,19 +363,21 @@ class Scheduler(SchedulerResults):
 
     def _time_cap(self, context: int, most: int, reserved: int) -> int | None:
         """The largest chunk (<= `most`, a multiple of the block/tile unit unless it is
-        `most`) at `context` whose step, with what the step already carries and `reserved`
-        tokens kept for short prompts, is predicted under the ITL SLO divided by the
-        measured headroom; None without a cost model. Nothing fits: one unit for the step's
-        first chunk (progress beats the SLO), else 0. Deep, with a stretch: at least the
-        smallest chunk efficient there, within the stretched SLO (controller/chunk_size.py),
-        unless a short prompt waits (`reserved`): its first token ends this step."""
+        `most`) at `context` whose step, with what the step carries and `reserved` tokens
+        kept for short prompts, is predicted under the ITL SLO / the measured headroom
+        (x `short_step_share` when a short prompt waits: its first token ends this step);
+        None without a cost model. Nothing fits: one unit for the step's first chunk
+        (progress beats the SLO), else 0. Deep, with a stretch and no short prompt
+        waiting: at least the smallest chunk efficient there, within the stretched SLO
+        (controller/chunk_size.py)."""
         cost, slo = self.step_cost, self.itl_slo_s
         if cost is None or slo is None or most <= 0:
             return None
         shape = self.last_shape
         step = StepSpan(cost, [*shape.chunks.values(), *([(reserved, 0)] if reserved else [])],
                         shape.num_decodes, shape.decode_context, context, self.chunk_unit)
-        if step.seconds(most) <= (slo := slo / self.slo_headroom):
+        slo /= self.slo_headroom / (self.config.short_step_share if reserved else 1.0)
+        if step.seconds(most) <= slo:
             return most
         tokens = step.largest_under(most, slo)
         if self.depth_stretch > 1 and context > 0 and not reserved:

@@ -37,6 +37,13 @@ class SchedulerConfig:
     short_prefill_share: float = setting(0.25, gt=0, lt=1, description=(
         "Share of a step's prefill budget (and of its predicted time under the ITL SLO) "
         "that long chunks leave free while short prompts wait."))
+    short_step_share: float = setting(0.5, gt=0, le=1, description=(
+        "With a step cost model: a step that carries a waiting short prompt's chunk is "
+        "planned to this share of the ITL SLO (the long chunk beside it shrinks), so the "
+        "short prompt's first token comes within the running step's rest and half a "
+        "step: at 1 (the whole SLO) it came 1.8-2.3 of the long prompt's steps after it "
+        "was sent in the served peer scene on a 2-core Zen 3 (docs/peer.md); the long "
+        "prompt loses half a step's chunk per short prompt. 1: no shorter step."))
     max_concurrent_chunks: int = setting(4, ge=1, description=(
         "Prefill chunks per step in NORMAL flow mode (flow control lowers it: "
         "flow.throttle_chunks, flow.throttle_hard_chunks, 0 under cache pressure)."))

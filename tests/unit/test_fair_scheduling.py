@@ -305,3 +305,31 @@ def test_a_short_prompt_deep_in_a_long_prefill_rides_in_a_step_held_to_the_slo()
     assert s.step_times[-1] <= SLO_S
     s.step()  # the short prompt decodes now: the long chunk stretches again
     assert s.step_times[-1] > SLO_S
+
+
+def _step_with_a_short_prompt(short_step_share: float) -> tuple[Scene, StepPlan]:
+    s = Scene(budget=8192, model=TRUE_COST, cost=TRUE_COST,
+              long_prefill_token_threshold=512, short_step_share=short_step_share)
+    s.users_decoding()
+    s.add("long", 6000, max_tokens=2)
+    for _ in range(3):
+        s.step()
+    s.add("short", 32, max_tokens=2)
+    return s, s.step()
+
+
+def test_a_step_carrying_a_waiting_short_prompt_is_planned_to_a_share_of_the_slo():
+    """The short prompt's first token ends the step it rides in, so that step is planned to
+    `short_step_share` of the SLO: the long chunk beside it shrinks, and the short prompt
+    waits for the running step's rest and half a step, not a whole one. The step after
+    (the short prompt decoding) is the SLO's again."""
+    s, plan = _step_with_a_short_prompt(0.5)
+    whole, whole_plan = _step_with_a_short_prompt(1.0)
+    for scene, p in ((s, plan), (whole, whole_plan)):
+        assert p.num_scheduled_tokens["short"] == 32 and p.num_scheduled_tokens["long"] > 0
+        assert scene.first_token_step["short"] == len(scene.plans) - 1
+    assert s.step_times[-1] <= 0.5 * SLO_S + 1e-9
+    assert whole.step_times[-1] > 0.9 * SLO_S  # without the share: a whole step
+    assert plan.num_scheduled_tokens["long"] < 0.6 * whole_plan.num_scheduled_tokens["long"]
+    s.step()
+    assert s.step_times[-1] > 0.9 * SLO_S
