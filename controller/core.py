@@ -113,7 +113,9 @@ class ControllerCore(Routing, Stepping):
             scheduler,
             FlowControl(options.flow, scheduler_config.max_concurrent_chunks),
             Protections(protection_config, chunk_cost), step_cost=step_cost,
-            refit=None if step_cost is None else OnlineRefit(protection_config, options.slo))
+            refit=None if step_cost is None else OnlineRefit(
+                protection_config, options.slo, step_cost, options.itl_slo_s,
+                options.refit_slo_scale))
 
     def add_worker(self, pool: PoolSpec) -> int:
         """A worker joined (its model loaded): it takes new requests from now on. Returns

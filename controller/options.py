@@ -269,6 +269,8 @@ class ControllerOptions:
     # A chunk at depth may stretch its step to depth_stretch x itl_slo_s to reach
     # chunk_efficiency of its depth's best rate (the derived SLO only; 1: never).
     depth_stretch: float = 1.0
+    # A refit may raise itl_slo_s up to x times (the derived SLO only; 1: never).
+    refit_slo_scale: float = 1.0
     chunk_efficiency: float = 1.0
     worker_cls: str = "workers.actor:WorkerActor"  # "module:Class" of the worker actor
     # Set (calibration.auto without a budget file): before its scheduler config is final,
@@ -281,10 +283,12 @@ class ControllerOptions:
         """These options running on `table`: its budget for the SLO (planned with `cal`'s
         limits), its cost model."""
         scheduler = budgeted_scheduler(self.scheduler, table, cal, self.slo, self.cache)
-        stretch = self.slo.max_depth_stretch if self.slo.itl_ms is None else 1.0
+        derived = self.slo.itl_ms is None
+        stretch = self.slo.max_depth_stretch if derived else 1.0
         return replace(self, scheduler=scheduler, step_cost=table.step_cost(),
                        itl_slo_s=table.slo_ms(self.slo.itl_ms) / 1e3, auto_budget=None,
-                       depth_stretch=stretch, chunk_efficiency=cal.chunk_efficiency)
+                       depth_stretch=stretch, chunk_efficiency=cal.chunk_efficiency,
+                       refit_slo_scale=self.slo.max_refit_slo_scale if derived else 1.0)
 
 
 def budgeted_scheduler(scheduler: SchedulerConfig, table: BudgetTable, cal: CalibrationConfig,

@@ -44,8 +44,14 @@ class StepSample:
 
 
 class OnlineRefit:
-    def __init__(self, config: ProtectionConfig, slo: SloConfig) -> None:
+    def __init__(self, config: ProtectionConfig, slo: SloConfig,
+                 calibrated: StepCost | None = None, itl_slo_s: float | None = None,
+                 max_slo_scale: float = 1.0) -> None:
         self.config, self.slo = config, slo
+        # The ITL SLO planned for: with max_slo_scale > 1 (a derived SLO) a refit that
+        # predicts longer steps than the calibrated model moves it up as much (at most x).
+        self.calibrated, self.calibrated_slo_s = calibrated, itl_slo_s
+        self.itl_slo_s, self.max_slo_scale = itl_slo_s, max_slo_scale
         self.window: deque[tuple[StepSample, bool]] = deque(maxlen=config.refit_window)
         # measured / predicted of the last steps with chunks, against the current model
         self.ratios: deque[float] = deque(maxlen=slo.headroom_window)
@@ -87,9 +93,24 @@ class OnlineRefit:
             return None
         self.num_refits += 1
         self.ratios.clear()  # measured against the old model
+        self._move_slo(samples, refit)
         logger.warning("cost model refitted (%s) on %d steps: median error %.0f%% -> %.0f%%",
                        how, len(samples), 100 * before, 100 * after)
         return refit
+
+
+    def _move_slo(self, samples: list[StepSample], refit: StepCost) -> None:
+        base, slo_s, most = self.calibrated, self.calibrated_slo_s, self.max_slo_scale
+        if base is None or slo_s is None or most <= 1.0:
+            return
+        scale = statistics.median(_predict(refit, s) / _predict(base, s) for s in samples)
+        # Never below the calibrated SLO: on a device faster than calibrated the SLO's
+        # time (what users see) holds and larger chunks fit, more efficient still.
+        self.itl_slo_s = slo_s * min(max(scale, 1.0), most)
+
+
+def _predict(cost: StepCost, sample: StepSample) -> float:
+    return cost.step_s(sample.chunks, sample.num_decodes, sample.decode_context)
 
 
 def _errors(samples: list[StepSample], cost: StepCost) -> list[float]:

@@ -58,5 +58,16 @@ class SloConfig:
         "depth 0 the stretch changes nothing (the derived SLO is that efficient step). 1: "
         "no stretch. A configured itl_ms is never stretched."))
 
+    max_refit_slo_scale: float = setting(2.0, ge=1, description=(
+        "With the derived ITL SLO (itl_ms None): an online refit whose model predicts "
+        "longer steps than the calibrated one (the median over the refit window's steps) "
+        "raises the SLO by as much, up to this factor. The derived SLO is the step in "
+        "which a chunk prefills efficiently; where served steps run slower than "
+        "calibrated (other processes on the worker's cores) that chunk takes longer, and "
+        "a fixed SLO shrank the chunks instead. A refit that predicts shorter steps "
+        "leaves the SLO (larger chunks fit it: on a 2-core Zen 3 that gave the peer "
+        "scene's long prompt 6.2 s against 7.0 s with the SLO lowered as well, "
+        "docs/peer.md). 1: the SLO stays. A configured itl_ms never moves."))
+
     def __post_init__(self) -> None:
         check_settings(self)

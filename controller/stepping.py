@@ -144,6 +144,7 @@ class Stepping:
         if refitted is not None:
             state.step_cost = state.scheduler.step_cost = refitted
             state.protections.step_cost = refitted
+            state.scheduler.itl_slo_s = state.refit.itl_slo_s
         state.scheduler.slo_headroom = state.refit.headroom
 
     def take_outbox(self, worker: int) -> list[RequestOutput]:

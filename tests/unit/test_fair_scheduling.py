@@ -31,7 +31,8 @@ class Scene:
     def __init__(self, budget: int = 256, num_blocks: int = 4096,
                  model: StepCost | None = None, cost: StepCost | None = None,
                  protections: ProtectionConfig | None = None, slo: SloConfig | None = None,
-                 depth_stretch: float = 1.0, **scheduler: object) -> None:
+                 depth_stretch: float = 1.0, refit_slo_scale: float = 1.0,
+                 **scheduler: object) -> None:
         self.now = 0.0
         self.core = ControllerCore(
             [PoolSpec(num_blocks, BLOCK, False)], ControllerOptions(
@@ -39,7 +40,8 @@ class Scene:
                                           **scheduler),  # type: ignore[arg-type]
                 protections=protections or ProtectionConfig(), slo=slo or SloConfig(),
                 step_cost=model, itl_slo_s=SLO_S if model is not None else None,
-                depth_stretch=depth_stretch, chunk_efficiency=CHUNK_EFFICIENCY),
+                depth_stretch=depth_stretch, chunk_efficiency=CHUNK_EFFICIENCY,
+                refit_slo_scale=refit_slo_scale),
             clock=lambda: self.now)
         self.sched = self.core.scheduler(0)
         self.runner = FakeRunner(self.sched)
@@ -333,3 +335,48 @@ def test_a_step_carrying_a_waiting_short_prompt_is_planned_to_a_share_of_the_slo
     assert plan.num_scheduled_tokens["long"] < 0.6 * whole_plan.num_scheduled_tokens["long"]
     s.step()
     assert s.step_times[-1] > 0.9 * SLO_S
+
+
+def _slower_after_refit(refit_slo_scale: float, factor: float = 1.5) -> Scene:
+    s = Scene(budget=8192, model=TRUE_COST, cost=TRUE_COST,
+              protections=ProtectionConfig(refit_window=8), refit_slo_scale=refit_slo_scale)
+    s.users_decoding()
+    s.factor = factor  # served steps this many times what the calibration measured
+    for i in range(8):
+        s.add(f"long-{i}", 4000, max_tokens=2)
+    while s.core.worker_stats(0).num_refits == 0:
+        s.step()
+        assert len(s.plans) < 100
+    for _ in range(3):
+        s.step()
+    return s
+
+
+def test_a_refit_moves_a_derived_slo_so_chunks_keep_their_size():
+    """The derived SLO is the step in which a chunk prefills efficiently: on a worker whose
+    steps take 1.5x the calibrated time, a refit moves it to 1.5x, and the chunks keep the
+    calibrated size (the steps take 1.5x the old SLO); with the SLO fixed (a configured
+    one) the chunks shrink to fit it. Bounded: a 4x slower worker moves it 2x at most. A
+    faster worker leaves it: larger chunks fit the SLO's time."""
+    moved, fixed = _slower_after_refit(2.0), _slower_after_refit(1.0)
+    assert abs(moved.sched.itl_slo_s - 1.5 * SLO_S) < 1e-6
+    assert fixed.sched.itl_slo_s == SLO_S
+    assert max(fixed.step_times[-3:]) <= SLO_S * 1.001
+    assert 1.3 * SLO_S < max(moved.step_times[-3:]) <= 1.5 * SLO_S * 1.001
+
+    def chunk(scene: Scene) -> int:
+        return sum(n for rid, n in scene.plans[-1].num_scheduled_tokens.items()
+                   if rid.startswith("long"))
+
+    assert chunk(moved) > 1.2 * chunk(fixed)
+    s = Scene(budget=8192, model=TRUE_COST, cost=TRUE_COST,
+              protections=ProtectionConfig(refit_window=8), refit_slo_scale=2.0)
+    s.users_decoding()
+    s.factor = 4.0
+    s.add("long", 8000, max_tokens=2)
+    while s.core.worker_stats(0).num_refits == 0:
+        s.step()
+    assert abs(s.sched.itl_slo_s - 2.0 * SLO_S) < 1e-9
+    faster = _slower_after_refit(2.0, factor=0.6)
+    assert faster.sched.itl_slo_s == SLO_S
+    assert SLO_S * 0.9 < max(faster.step_times[-3:]) <= SLO_S * 1.001
