@@ -302,6 +302,17 @@ def run_served(model: str, rounds: int, vllm_python: str, log_dir: Path,
                 **{key: scene.summarize(results, key) for key in (
                     "window_gap_p99_s", "window_gap_p50_s", "long_ttft_s", "short_ttft_s",
                     "users_tok_s", "gap_p50_s", "gap_p99_s")}}
+        # tokenflow again, alone, as a second `make serve` starts: its budget table cached.
+        for name in list(servers):
+            servers.pop(name).stop()
+        again_port = free_port()
+        again = scene.start_server(
+            "tokenflow", [PY, "-m", "cluster.serve", "--model", folder, "--port",
+                          str(again_port)], again_port,
+            {"PYTHONPATH": str(ROOT), "TOKENFLOW_WORKER__DTYPE": dtype},
+            log_dir / "serve-tokenflow-again.log")
+        servers["tokenflow-again"] = again
+        out["servers"]["tokenflow"]["ready_cached_s"] = again.wait_ready(600)
     finally:
         for server in servers.values():
             server.stop()
@@ -322,6 +333,8 @@ def run_served(model: str, rounds: int, vllm_python: str, log_dir: Path,
                                               if step_s and tf["short_ttft_s"]["median"]
                                               else None),
             "ready_vs_vllm": tf["ready_s"] / vl["ready_s"] if vl["ready_s"] else None,
+            "ready_cached_vs_vllm": (tf["ready_cached_s"] / vl["ready_s"]
+                                     if vl["ready_s"] and tf.get("ready_cached_s") else None),
         }
     return out
 
@@ -349,7 +362,10 @@ def targets(report: dict[str, Any]) -> dict[str, Any]:
                                    ("short_ttft_vs_vllm", 0.3, True),
                                    ("short_ttft_in_tokenflow_steps", 2.0, True),
                                    ("users_tok_s_vs_vllm", 1.0, False),
-                                   ("ready_vs_vllm", 0.25, True)):
+                                   ("ready_vs_vllm", 0.25, True),
+                                   ("ready_cached_vs_vllm", 0.25, True)):
+            if key not in ratios:
+                continue  # a report from before the cached start was measured
             value = ratios[key]
             met = value is not None and (value <= bound if is_max else value >= bound)
             t[f"served_{key}{'<=' if is_max else '>='}{bound}"] = {"value": value, "met": met}

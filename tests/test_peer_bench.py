@@ -166,7 +166,8 @@ def test_targets_follow_the_numbers() -> None:
                     {"model": "builtin:tiny"}],  # a run without vLLM: no verdicts
         "served": {"ratios": {"window_gap_p99_vs_vllm": 0.05, "long_ttft_vs_vllm": 1.5,
                               "short_ttft_vs_vllm": 0.1, "short_ttft_in_tokenflow_steps": 1.5,
-                              "users_tok_s_vs_vllm": 0.9, "ready_vs_vllm": None}}}
+                              "users_tok_s_vs_vllm": 0.9, "ready_vs_vllm": None,
+                              "ready_cached_vs_vllm": 0.2}}}
     t = targets(report)
     assert t["offline_bench_vs_vllm_compiled>=1.3"]["met"]
     assert not t["offline_bench_startup_ratio_vs_vllm_compiled<=0.25"]["met"]
@@ -176,6 +177,9 @@ def test_targets_follow_the_numbers() -> None:
     assert not t["served_long_ttft_vs_vllm<=1.2"]["met"]
     assert not t["served_users_tok_s_vs_vllm>=1.0"]["met"]
     assert not t["served_ready_vs_vllm<=0.25"]["met"]  # unknown is not met
+    assert t["served_ready_cached_vs_vllm<=0.25"] == {"value": 0.2, "met": True}
+    del report["served"]["ratios"]["ready_cached_vs_vllm"]  # a report from before it
+    assert "served_ready_cached_vs_vllm<=0.25" not in targets(report)
 
 
 def test_the_long_prompt_arrives_once_the_users_have_their_share() -> None:
