@@ -101,11 +101,14 @@ def test_bf16_packed_and_plain_agree(checkpoint: Path, bound: float) -> None:
 @pytest.mark.skipif(cpu_ops() is None, reason="the CPU kernels did not build here")
 def test_bf16_cpp_layers_agree_with_the_operators(checkpoint: Path, bound: float) -> None:
     """The C++ layers in bf16 (one rounding a pass, the last layer on the sampled rows) against
-    torch's bf16 operators: the same tolerance against each other as packed and plain."""
+    torch's bf16 operators: a quarter of the stated tolerance against each other where
+    oneDNN has bf16 kernels (as packed and plain), a third elsewhere: on an AVX2-only Zen 3
+    torch's bf16 operators (converting to fp32 and rounding after each) and the C++ layers
+    differed by 0.26 of it (0.336 against 1.28), each about as far from fp32 as the other."""
     ops_worker, by_ops = _logits(checkpoint, "bfloat16", packing=True, fused=False)
     worker, fused = _logits(checkpoint, "bfloat16", packing=True)
     assert worker.model.runs_cpu_layers(torch.bfloat16, torch.device("cpu"))
     assert not ops_worker.model.runs_cpu_layers(torch.bfloat16, torch.device("cpu"))
-    _check(fused, by_ops, bound / 4)
+    _check(fused, by_ops, bound / (4 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else 3))
     _, want = _logits(checkpoint, "float32", packing=True)
     _check(fused, want, bound)
