@@ -9,7 +9,9 @@ to tell them apart and that fit, made on one half of the sizes, predicts the oth
 better than scaling does; else the current model scaled by the median measured /
 predicted ratio (a device that got uniformly slower or faster). The window
 then starts afresh, so one drift gives one refit; a refit that would not predict the
-window better is dropped (noise, not drift).
+window better is dropped (noise, not drift). With a derived ITL SLO, a refit whose model
+predicts longer steps than the calibrated one raises the SLO as much (`itl_slo_s`, at most
+`slo.max_refit_slo_scale` times), so that chunks keep the size that prefills efficiently.
 
 The same steps give the planning headroom: a high quantile of measured / predicted time
 over the last `slo.headroom_window` of them (`slo.headroom_quantile`), which the scheduler
@@ -97,7 +99,6 @@ class OnlineRefit:
         logger.warning("cost model refitted (%s) on %d steps: median error %.0f%% -> %.0f%%",
                        how, len(samples), 100 * before, 100 * after)
         return refit
-
 
     def _move_slo(self, samples: list[StepSample], refit: StepCost) -> None:
         base, slo_s, most = self.calibrated, self.calibrated_slo_s, self.max_slo_scale
