@@ -133,7 +133,8 @@ def metric_families(snap: MetricsSnapshot, config: MetricsConfig,
     # The configured ITL SLO, else the controller's (derived from its budget table).
     itl_slo_s = slo.itl_ms / 1e3 if slo.itl_ms is not None else snap.itl_slo_s
     f.gauge("itl_slo_seconds", "The ITL SLO steps are planned for (slo.itl_ms, or the one "
-            "derived from the budget table, as online refits moved it).").add_metric([], itl_slo_s or 0.0)
+            "derived from the budget table, as online refits moved it)."
+            ).add_metric([], itl_slo_s or 0.0)
     ids = snap.worker_ids or list(range(len(snap.workers)))
     _worker_families(f, snap.workers, ids)
     node = f.gauge("worker_node", "1 for the Ray node each worker runs on (one series per "
