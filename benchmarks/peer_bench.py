@@ -263,13 +263,15 @@ def run_served(model: str, rounds: int, vllm_python: str, log_dir: Path,
         "long_at_user_share": scene.LONG_AT_USER_SHARE,
         "long_prompt_len": scene.LONG_PROMPT_LEN, "short_after_s": scene.SHORT_AFTER_S,
         "short_prompt_len": scene.SHORT_PROMPT_LEN}, "servers": {}}
+
+    def start_tokenflow(port: int, log: str) -> scene.Server:
+        return scene.start_server(
+            "tokenflow", [PY, "-m", "cluster.serve", "--model", folder, "--port", str(port)],
+            port, {"PYTHONPATH": str(ROOT), "TOKENFLOW_WORKER__DTYPE": dtype}, log_dir / log)
+
     try:
         # One at a time while starting: each start-up has the machine to itself.
-        servers["tokenflow"] = scene.start_server(
-            "tokenflow", [PY, "-m", "cluster.serve", "--model", folder, "--port",
-                          str(tf_port)], tf_port,
-            {"PYTHONPATH": str(ROOT), "TOKENFLOW_WORKER__DTYPE": dtype},
-            log_dir / "serve-tokenflow.log")
+        servers["tokenflow"] = start_tokenflow(tf_port, "serve-tokenflow.log")
         servers["tokenflow"].wait_ready(600)
         servers["vllm"] = scene.start_server(
             "vllm", [vllm_bin, "serve", folder, "--host", "127.0.0.1", "--port",
@@ -305,13 +307,8 @@ def run_served(model: str, rounds: int, vllm_python: str, log_dir: Path,
         # tokenflow again, alone, as a second `make serve` starts: its budget table cached.
         for name in list(servers):
             servers.pop(name).stop()
-        again_port = free_port()
-        again = scene.start_server(
-            "tokenflow", [PY, "-m", "cluster.serve", "--model", folder, "--port",
-                          str(again_port)], again_port,
-            {"PYTHONPATH": str(ROOT), "TOKENFLOW_WORKER__DTYPE": dtype},
-            log_dir / "serve-tokenflow-again.log")
-        servers["tokenflow-again"] = again
+        again = servers["tokenflow-again"] = start_tokenflow(free_port(),
+                                                             "serve-tokenflow-again.log")
         out["servers"]["tokenflow"]["ready_cached_s"] = again.wait_ready(600)
     finally:
         for server in servers.values():

@@ -76,7 +76,7 @@ class OnlineRefit:
             return None
         sample = StepSample(tuple(shape.chunks.values()), shape.num_decodes,
                             shape.decode_context, elapsed_s)
-        predicted = cost.step_s(sample.chunks, sample.num_decodes, sample.decode_context)
+        predicted = _predict(cost, sample)
         deviated = predicted <= 0 or abs(elapsed_s / predicted - 1.0) > \
             self.config.deviation_threshold
         if predicted > 0:
@@ -115,8 +115,7 @@ def _predict(cost: StepCost, sample: StepSample) -> float:
 
 
 def _errors(samples: list[StepSample], cost: StepCost) -> list[float]:
-    return [abs(cost.step_s(s.chunks, s.num_decodes, s.decode_context) / s.elapsed_s - 1.0)
-            for s in samples]
+    return [abs(_predict(cost, s) / s.elapsed_s - 1.0) for s in samples]
 
 
 def _refit(samples: list[StepSample], cost: StepCost,
@@ -152,9 +151,7 @@ def _refit(samples: list[StepSample], cost: StepCost,
 
 
 def _scaled(samples: list[StepSample], cost: StepCost) -> StepCost:
-    ratios = [s.elapsed_s / cost.step_s(s.chunks, s.num_decodes, s.decode_context)
-              for s in samples]
-    return cost.scaled(statistics.median(ratios))
+    return cost.scaled(statistics.median(s.elapsed_s / _predict(cost, s) for s in samples))
 
 
 def _least_squares(samples: list[StepSample], cost: StepCost) -> StepCost:

@@ -376,7 +376,7 @@ class Scheduler(SchedulerResults):
         shape = self.last_shape
         step = StepSpan(cost, [*shape.chunks.values(), *([(reserved, 0)] if reserved else [])],
                         shape.num_decodes, shape.decode_context, context, self.chunk_unit)
-        slo /= self.slo_headroom / (self.config.short_step_share if reserved else 1.0)
+        slo *= (self.config.short_step_share if reserved else 1.0) / self.slo_headroom
         if step.seconds(most) <= slo:
             return most
         tokens = step.largest_under(most, slo)
