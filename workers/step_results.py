@@ -186,6 +186,12 @@ class StepResults:
         embed_row = self._config.hidden_size * self.dtype.itemsize
         return kv + span.num_query_tokens * (self._act_bytes_per_token + embed_row)
 
+    def _is_screened(self, sampling_ids: list[str]) -> bool:
+        """Whether the step's sampling rows need only their argmax (`greedy_head`): all
+        greedy, none asking for log-probs, none constrained by a grammar."""
+        return all(p.is_greedy and p.logprobs is None and not p.grammar_kind for p in (
+            self._requests[rid].sampling_params for rid in sampling_ids))
+
     def _sampled_rows(self, meta: StepMetadata, spans: dict[str, SeqSpan],
                       sampling_ids: list[str]) -> SampledRows | None:
         """The step's last layer on its sampled rows only (workers/sampled_rows.py): where
@@ -199,7 +205,8 @@ class StepResults:
         return sampled_rows(meta, [spans[rid] for rid in sampling_ids], self._staging,
                             self.backend)
 
-    def _score(self, pending: PendingStep, hidden: Tensor, logits: Tensor, ids: Tensor) -> None:
+    def _score(self, pending: PendingStep, hidden: Tensor, logits: Tensor | None,
+               ids: Tensor) -> None:
         """Queue the log-probabilities the step's requests ask for: their sampled tokens'
         (rows of `logits`, which has one per sampling request) and, for echo requests, the
         prompt tokens their span predicts (row i of a span predicts position begin + i + 1;
@@ -207,6 +214,7 @@ class StepResults:
         rows = [j for j, rid in enumerate(pending.sampling_ids)
                 if self._requests[rid].sampling_params.logprobs is not None]
         if rows:
+            assert logits is not None, "a request asks for log-probs: the step has logits"
             index = torch.tensor(rows, dtype=torch.long).to(logits.device)
             nums_top = [self._requests[pending.sampling_ids[j]].sampling_params.logprobs or 0
                         for j in rows]

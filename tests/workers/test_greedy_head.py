@@ -1,0 +1,146 @@
+"""The bf16 screen of a CPU fp32 lm_head for greedy rows (workers/greedy_head.py): its ids
+equal the fp32 argmax on peaked, flat, tied and NaN rows; a worker that uses it decodes
+token by token as transformers' `generate`, and a step where a request needs logits
+(log-probs, a random sample) takes the fp32 path.
+
+The screen is built where oneDNN has bf16 units; on a CPU without them the tests build it
+anyway (`has_bf16_units` patched: oneDNN then emulates bf16, slower, the same values), so
+the bound and the fallbacks are checked on every machine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import workers.greedy_head as greedy_head
+from controller.messages import SamplingParams
+from tests.workers.helpers import Driver, build_hf_checkpoint, random_ids
+from workers.greedy_head import BLOCK, SCREEN_TOP_K, GreedyHead
+from workers.models.packed import pack_weight
+from workers.worker import RunOptions, Worker
+
+VOCAB = 4096  # past the screen's smallest vocab (k blocks of BLOCK ids)
+
+
+def _head(weight: torch.Tensor) -> GreedyHead:
+    packed = pack_weight(weight.bfloat16(), batch_hint=32)
+    if packed is None:
+        pytest.skip("this torch build cannot pack a bf16 weight for oneDNN")
+    return GreedyHead(weight, packed)
+
+
+def _argmax(hidden: torch.Tensor, weight: torch.Tensor) -> list[int]:
+    return F.linear(hidden, weight).max(dim=1).indices.tolist()
+
+
+def test_the_ids_are_the_fp32_argmax_on_peaked_rows():
+    torch.manual_seed(0)
+    weight = torch.randn(VOCAB + 37, 256) * 0.05  # a vocab that is no multiple of BLOCK
+    hidden = torch.randn(64, 256) * 4.0
+    head = _head(weight)
+    assert head.ids(hidden).tolist() == _argmax(hidden, weight)
+    assert head.num_rows == 64
+    assert head.num_widened_rows < 64  # most rows decided by their top k
+
+
+def test_flat_rows_widen_and_stay_exact():
+    """Logits closer together than the bound: the top k cannot decide, every id within 2e
+    of the largest is recomputed in fp32."""
+    torch.manual_seed(1)
+    base = torch.randn(256)
+    weight = base + 1e-4 * torch.randn(VOCAB, 256)  # every id's logit within ~1e-3
+    hidden = torch.randn(8, 256)
+    head = _head(weight)
+    assert head.ids(hidden).tolist() == _argmax(hidden, weight)
+    assert head.num_widened_rows == 8
+
+
+def test_a_tie_goes_to_the_lowest_id_and_a_nan_row_to_the_fp32_row():
+    torch.manual_seed(2)
+    weight = torch.randn(VOCAB, 128) * 0.05
+    hidden = torch.randn(3, 128) * 4.0
+    best = int(F.linear(hidden[0], weight).argmax())
+    # The same row at a lower id in another block: both are the largest logit.
+    twin = (best + 5 * BLOCK) % VOCAB
+    weight[twin] = weight[best]
+    low = min(best, twin)
+    hidden[2, 7] = float("nan")
+    head = _head(weight)
+    got = head.ids(hidden).tolist()
+    assert got == _argmax(hidden, weight)
+    assert got[0] == low
+    assert head.num_widened_rows >= 1  # the NaN row
+
+
+def test_no_screen_where_it_cannot_gain(monkeypatch):
+    small = torch.randn(SCREEN_TOP_K * BLOCK - 1, 64)
+    monkeypatch.setattr(greedy_head, "has_bf16_units", lambda: True)
+    assert GreedyHead.build(small) is None  # a small vocab
+    assert GreedyHead.build(torch.randn(VOCAB, 64).bfloat16()) is None  # not fp32
+    monkeypatch.setattr(greedy_head, "has_bf16_units", lambda: False)
+    assert GreedyHead.build(torch.randn(VOCAB, 64)) is None  # no bf16 units
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return build_hf_checkpoint("llama", tmp_path_factory.mktemp("hf") / "llama",
+                               vocab_size=VOCAB)
+
+
+def _worker(checkpoint: Path, screen: bool, monkeypatch) -> Worker:
+    monkeypatch.setattr(greedy_head, "has_bf16_units", lambda: True)
+    worker = Worker(str(checkpoint), num_kv_blocks=64, block_size=16,
+                    run=RunOptions(greedy_screen=screen))
+    if screen and worker.greedy_head is None:
+        pytest.skip("this torch build cannot pack a bf16 weight for oneDNN")
+    return worker
+
+
+def test_greedy_decode_with_the_screen_matches_generate(checkpoint, monkeypatch):
+    import transformers as tf
+
+    hf = tf.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    worker = _worker(checkpoint, True, monkeypatch)
+    driver = Driver(worker)
+    for i, n in enumerate((3, 40, 130)):
+        prompt = random_ids(n, seed=900 + i, vocab_size=VOCAB)
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                              max_new_tokens=24, pad_token_id=0)
+        driver.add(f"r{i}", prompt)
+        driver.prefill(f"r{i}", chunk_len=64)
+        got = driver.tokens[f"r{i}"][n:] + driver.decode(f"r{i}", 23)
+        assert got == out[0, n:].tolist(), f"prompt of {n} tokens diverged"
+    assert worker.greedy_head is not None and worker.greedy_head.num_rows >= 3 * 24
+
+
+def test_a_step_that_needs_logits_takes_the_fp32_path(checkpoint, monkeypatch):
+    """Beside greedy rows, a request asking for log-probs and a random one: those steps run
+    the fp32 logits (their log-probs come back), the greedy tokens are the same as with
+    no screen; the steps where all rows are greedy again take the screen."""
+    scored = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True, logprobs=2)
+    sampled = SamplingParams(max_tokens=64, temperature=0.8, seed=5, ignore_eos=True)
+    tokens = {}
+    for screen in (True, False):
+        worker = _worker(checkpoint, screen, monkeypatch)
+        driver = Driver(worker)
+        driver.add("greedy", random_ids(20, seed=1, vocab_size=VOCAB))
+        driver.add("scored", random_ids(9, seed=2, vocab_size=VOCAB), params=scored)
+        driver.add("random", random_ids(12, seed=3, vocab_size=VOCAB), params=sampled)
+        result = driver.step({"greedy": 20, "scored": 9, "random": 12})
+        assert "scored" in result.sampled_logprobs
+        for _ in range(4):
+            result = driver.step({"greedy": 1, "scored": 1, "random": 1})
+            assert "scored" in result.sampled_logprobs
+        if screen:
+            assert worker.greedy_head is not None and worker.greedy_head.num_rows == 0
+        for _ in range(4):
+            driver.step({"greedy": 1})
+        if screen:
+            assert worker.greedy_head is not None and worker.greedy_head.num_rows == 4
+        tokens[screen] = dict(driver.tokens)
+    assert tokens[True] == tokens[False]
