@@ -76,6 +76,13 @@ class WorkerConfig:
         "Weights smaller than this (elements) are never packed."))
     cpu_packed_any_rows_elements: int = setting(1 << 20, ge=1, description=(
         "Weights of at least this many elements use the packed copy for any row count."))
+    cpu_decode_gemm_max_rows: int = setting(64, ge=0, description=(
+        "On a CPU fp32 worker whose C++ kernels build, a packed linear layer called with up "
+        "to this many rows (a decode step, a few decodes beside a short chunk) runs the "
+        "C++ GEMM (workers/kernels/csrc/cpu_gemm.cpp), which prefetches the next block of "
+        "the weight while it computes one: 1.3-1.6x oneDNN's packed kernel at 1-32 rows on "
+        "an AVX-512 Xeon, even at 96, behind it from 128. Costs another copy of the packed "
+        "weights; 0: never (oneDNN's kernel or the plain GEMM)."))
     cpu_fused_layers: bool = setting(True, description=(
         "On a CPU fp32 or bf16 worker whose C++ kernels build, the residual add + RMSNorm, "
         "rotary and SiLU-and-mul run as one C++ pass each (workers/kernels/csrc/cpu_layers.cpp) "

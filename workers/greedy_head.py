@@ -31,6 +31,10 @@ from torch import Tensor
 
 from workers.models.packed import pack_weight, packed_linear
 
+# Smaller lm_heads stay fp32: the screen's fixed costs (top k, bound, fp32 candidates, ~0.8
+# ms a 32-row step) lost to the C++ decode GEMM on builtin:small's 2M (0.94x offline) and
+# won on builtin:bench's 16M (1.11x).
+SCREEN_MIN_ELEMENTS = 1 << 23
 SCREEN_TOP_K = 16  # candidates recomputed in fp32 per row; the rest of the vocab is bounded
 BLOCK = 128  # ids a block of the two-stage top k (`_top`)
 SAFETY = 2.0  # the bound's margin (oneDNN's kernels may sum in another order, flush subnormals)
@@ -65,10 +69,12 @@ class GreedyHead:
     @classmethod
     def build(cls, weight: Tensor) -> GreedyHead | None:
         """The screen for a CPU fp32 lm_head weight, or None where it does not apply (not
-        fp32 or not CPU, a small vocab, no bf16 units, a torch build that cannot pack bf16)."""
+        fp32 or not CPU, a small lm_head or a vocab under k blocks, no bf16 units, a torch
+        build that cannot pack bf16)."""
         if (weight.device.type != "cpu" or weight.dtype != torch.float32
-                or weight.shape[0] < SCREEN_TOP_K * BLOCK or not has_bf16_units()):
-            return None  # (a vocab under 2,048 ids is a small GEMM: nothing to gain)
+                or weight.shape[0] < SCREEN_TOP_K * BLOCK
+                or weight.numel() < SCREEN_MIN_ELEMENTS or not has_bf16_units()):
+            return None
         packed = pack_weight(weight.detach().bfloat16(), batch_hint=32)
         return None if packed is None else cls(weight.detach(), packed)
 

@@ -15,6 +15,7 @@ class PackPolicy:
     min_rows: int = 8  # below, the plain GEMM: the packed call's overhead dominates
     min_elements: int = 1 << 17  # smaller weights stay plain at any row count
     any_rows_elements: int = 1 << 20  # from this size packed even for one row
+    decode_max_rows: int = 64  # fp32, up to this many rows: the C++ decode GEMM (0: never)
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class WorkerSection(Protocol):
     cpu_packed_min_rows: int
     cpu_packed_min_elements: int
     cpu_packed_any_rows_elements: int
+    cpu_decode_gemm_max_rows: int
     cpu_fused_layers: bool
     cpu_keep_freed_memory: bool
     cpu_sampled_last_layer: bool
@@ -68,4 +70,4 @@ def packing_policy(section: WorkerSection) -> PackPolicy | None:
     if not section.cpu_packed_weights:
         return None
     return PackPolicy(section.cpu_packed_min_rows, section.cpu_packed_min_elements,
-                      section.cpu_packed_any_rows_elements)
+                      section.cpu_packed_any_rows_elements, section.cpu_decode_gemm_max_rows)

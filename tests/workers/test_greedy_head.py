@@ -3,9 +3,9 @@ equal the fp32 argmax on peaked, flat, tied and NaN rows; a worker that uses it 
 token by token as transformers' `generate`, and a step where a request needs logits
 (log-probs, a random sample) takes the fp32 path.
 
-The screen is built where oneDNN has bf16 units; on a CPU without them the tests build it
-anyway (`has_bf16_units` patched: oneDNN then emulates bf16, slower, the same values), so
-the bound and the fallbacks are checked on every machine."""
+The screen is built where oneDNN has bf16 units and the lm_head is large; the tests build
+it anyway (`has_bf16_units` and the size patched: without bf16 units oneDNN emulates bf16,
+slower, the same values), so the bound and the fallbacks are checked on every machine."""
 
 from __future__ import annotations
 
@@ -76,9 +76,12 @@ def test_a_tie_goes_to_the_lowest_id_and_a_nan_row_to_the_fp32_row():
 
 
 def test_no_screen_where_it_cannot_gain(monkeypatch):
-    small = torch.randn(SCREEN_TOP_K * BLOCK - 1, 64)
     monkeypatch.setattr(greedy_head, "has_bf16_units", lambda: True)
-    assert GreedyHead.build(small) is None  # a small vocab
+    assert GreedyHead.build(torch.randn(VOCAB, 64)) is None  # a small lm_head
+    monkeypatch.setattr(greedy_head, "SCREEN_MIN_ELEMENTS", 0)
+    assert GreedyHead.build(torch.randn(VOCAB, 64)) is not None
+    small = torch.randn(SCREEN_TOP_K * BLOCK - 1, 64)
+    assert GreedyHead.build(small) is None  # a vocab under k blocks
     assert GreedyHead.build(torch.randn(VOCAB, 64).bfloat16()) is None  # not fp32
     monkeypatch.setattr(greedy_head, "has_bf16_units", lambda: False)
     assert GreedyHead.build(torch.randn(VOCAB, 64)) is None  # no bf16 units
@@ -92,6 +95,7 @@ def checkpoint(tmp_path_factory) -> Path:
 
 def _worker(checkpoint: Path, screen: bool, monkeypatch) -> Worker:
     monkeypatch.setattr(greedy_head, "has_bf16_units", lambda: True)
+    monkeypatch.setattr(greedy_head, "SCREEN_MIN_ELEMENTS", 0)  # the tiny model's lm_head
     worker = Worker(str(checkpoint), num_kv_blocks=64, block_size=16,
                     run=RunOptions(greedy_screen=screen))
     if screen and worker.greedy_head is None:

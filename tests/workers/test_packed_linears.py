@@ -1,8 +1,12 @@
 """oneDNN-packed linear weights on the CPU fp32 path (workers/models/packed.py): which
-layers get a packed copy, that a call switches at `min_rows`, that a packed model gives the
-plain model's greedy tokens, and that the setting turns it off."""
+layers get a packed copy, that a call switches at `min_rows`, that the C++ decode GEMM
+(workers/kernels/csrc/cpu_gemm.cpp) takes calls up to `decode_max_rows` and agrees with the
+plain GEMM on every tile shape, that a packed model gives the plain model's greedy tokens,
+and that the settings turn them off."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -10,10 +14,12 @@ from torch import nn
 
 from cluster.engine import LocalEngine
 from controller.messages import SamplingParams
+from workers.kernels.cpu_ops import cpu_ops
 from workers.models.packed import PackedLinear, maybe_pack
 from workers.sections import PackPolicy
 
-POLICY = PackPolicy(min_rows=4, min_elements=1 << 10, any_rows_elements=1 << 16)
+POLICY = PackPolicy(min_rows=4, min_elements=1 << 10, any_rows_elements=1 << 16,
+                    decode_max_rows=0)
 
 
 def _linear(k: int, n: int) -> nn.Linear:
@@ -46,6 +52,42 @@ def test_packed_and_plain_calls_agree(num_rows: int, monkeypatch: pytest.MonkeyP
     x = torch.randn(num_rows, 64)
     torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
     assert len(calls) == (1 if num_rows >= POLICY.min_rows else 0)
+
+
+needs_kernels = pytest.mark.skipif(cpu_ops() is None, reason="the CPU kernels did not build")
+
+
+@needs_kernels
+@pytest.mark.parametrize("num_rows", [1, 3, 5, 13, 14, 19, 32, 33, 64, 65])
+def test_the_decode_gemm_takes_calls_up_to_its_rows(num_rows: int,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every tile shape (14 rows, 4, 1 with AVX-512; 6, 4, 1 below) and the bias; oneDNN's
+    packed kernel past `decode_max_rows`."""
+    policy = dataclasses.replace(POLICY, decode_max_rows=64)
+    linear = _linear(160, 96)  # K not a multiple of the register width, N of the block
+    packed = maybe_pack(linear, policy)
+    assert isinstance(packed, PackedLinear) and packed.decode_packed is not None
+    calls: list[int] = []
+    real = cpu_ops().decode_linear
+
+    class Counting:
+        def decode_linear(self, *args: object) -> torch.Tensor:
+            calls.append(1)
+            return real(*args)
+
+    monkeypatch.setattr("workers.models.packed._decode_ops", Counting)
+    x = torch.randn(num_rows, 160)
+    torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
+    assert len(calls) == (1 if num_rows <= 64 else 0)
+
+
+@needs_kernels
+def test_no_decode_gemm_where_the_outputs_are_not_whole_blocks() -> None:
+    policy = dataclasses.replace(POLICY, decode_max_rows=64)
+    block = cpu_ops().decode_gemm_block()
+    odd = maybe_pack(_linear(64, 3 * block + 8), policy)
+    assert isinstance(odd, PackedLinear) and odd.decode_packed is None
+    assert maybe_pack(_linear(64, 3 * block), POLICY).decode_packed is None  # turned off
 
 
 def _num_packed(engine: LocalEngine) -> int:

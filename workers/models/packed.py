@@ -13,6 +13,8 @@ at 32-512 rows, where the plain bf16 call re-packs per call and lost most of tha
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -50,17 +52,23 @@ def pack_weight(weight: Tensor, batch_hint: int = 16) -> Tensor | None:
 
 
 class PackedLinear(nn.Module):
-    """An `nn.Linear` (same parameter names) that calls the packed copy from `min_rows`
-    rows up. The parameters stay the source of truth (state dicts, ties, byte counts); the
-    packed copy is not a parameter and costs one extra copy of the weight."""
+    """An `nn.Linear` (same parameter names) that calls the C++ decode GEMM up to
+    `decode_max_rows` rows (where it has `decode_packed`), else the oneDNN-packed copy from
+    `min_rows` rows up. The parameters stay the source of truth (state dicts, ties, byte
+    counts); each packed copy is not a parameter and costs one extra copy of the weight."""
 
-    def __init__(self, linear: nn.Linear, packed: Tensor, min_rows: int) -> None:
+    def __init__(self, linear: nn.Linear, packed: Tensor, min_rows: int,
+                 decode_packed: Tensor | None = None, decode_max_rows: int = 0) -> None:
         super().__init__()
         self.weight, self.bias = linear.weight, linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed, self.min_rows = packed, min_rows
+        self.decode_packed, self.decode_max_rows = decode_packed, decode_max_rows
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.decode_packed is not None and x.shape[0] <= self.decode_max_rows \
+                and x.dtype == torch.float32:
+            return _decode_ops().decode_linear(x.contiguous(), self.decode_packed, self.bias)
         if x.shape[0] >= self.min_rows:
             return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
@@ -75,4 +83,27 @@ def maybe_pack(linear: nn.Linear, policy: PackPolicy) -> nn.Module:
     if packed is None:
         return linear
     min_rows = 1 if numel >= policy.any_rows_elements else policy.min_rows
-    return PackedLinear(linear, packed, min_rows)
+    return PackedLinear(linear, packed, min_rows, *_decode_packed(linear.weight, policy))
+
+
+def _decode_ops() -> ModuleType | None:
+    from workers.kernels.cpu_ops import cpu_ops
+
+    return cpu_ops()
+
+
+def _decode_packed(weight: Tensor, policy: PackPolicy) -> tuple[Tensor | None, int]:
+    """The C++ decode GEMM's copy of an fp32 weight and its row limit, or (None, 0) where it
+    does not apply (off, another dtype, no kernels, N not a multiple of its block), or where
+    it disagrees with the plain GEMM on a probe (checked once, as `pack_weight` does)."""
+    ops = _decode_ops() if policy.decode_max_rows > 0 and weight.dtype == torch.float32 \
+        else None
+    if ops is None or weight.shape[0] % ops.decode_gemm_block() != 0:
+        return None, 0
+    packed = ops.pack_decode_weight(weight.detach())
+    probe = torch.linspace(-1.0, 1.0, 3 * weight.shape[1]).view(3, -1)
+    plain = F.linear(probe, weight.detach())
+    tol = PACKED_DTYPE_TOL[torch.float32] * float(plain.abs().max().clamp(min=1.0))
+    if not torch.allclose(ops.decode_linear(probe, packed), plain, rtol=1e-4, atol=tol):
+        return None, 0
+    return packed, policy.decode_max_rows

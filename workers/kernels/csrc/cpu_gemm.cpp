@@ -1,0 +1,97 @@
+// fp32 linear layers at a decode step's few rows (the CPU worker's `worker.cpu_decode_gemm`):
+// y [M, N] = x [M, K] @ w [N, K]^T for M up to a few dozen rows.
+//
+// At those rows a step streams every weight from memory once and does little work per
+// byte; oneDNN's packed kernel reached ~10 GB/s of the ~24 a plain read gets on 2 cores.
+// Here the weight is packed as [N / kBlock][K][kBlock] (kBlock = two registers of outputs,
+// contiguous per block), each thread walks its blocks in order, and while it computes one
+// block (a tile of rows at a time, the block's 64 KB re-read from L2) it prefetches the
+// next block's lines into L2, one k at a time during the first tile: memory keeps
+// streaming while the tiles compute. Sums run over k in order, one FMA per term (the
+// result differs from oneDNN's by summation order only, within fp32 rounding).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include "cpu_vec.h"
+
+namespace {
+
+constexpr int64_t kBlock = 2 * kWidth;  // outputs per block: two registers
+// Rows per tile: 2 x kTileRows accumulators, a weight pair and a broadcast in registers
+// (32 of them with AVX-512, 16 below).
+constexpr int kTileRows = kWidth == 16 ? 14 : 6;
+
+// One tile of `rows` rows (a compile-time count: its accumulators stay in registers) over
+// one block: y[r][0:kBlock] = sum_k x[r][k] w[k][0:kBlock]. `next`: the block to prefetch.
+template <int rows>
+inline void tile(const float* x, int64_t k_len, const float* w, float* y, int64_t n,
+                 const float* next) {
+  vecf acc[rows][2];
+  for (int r = 0; r < rows; ++r) acc[r][0] = acc[r][1] = vecf{};
+  for (int64_t k = 0; k < k_len; ++k) {
+    const vecf w0 = loadv(w + k * kBlock), w1 = loadv(w + k * kBlock + kWidth);
+    if (next != nullptr) {  // the next block's lines of this k, into L2
+      __builtin_prefetch(next + k * kBlock, 0, 2);
+      if constexpr (kBlock * sizeof(float) > 64) __builtin_prefetch(next + k * kBlock + 16, 0, 2);
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < rows; ++r) {
+      const float b = x[r * k_len + k];
+      acc[r][0] += b * w0;
+      acc[r][1] += b * w1;
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    storev(y + r * n, acc[r][0]);
+    storev(y + r * n + kWidth, acc[r][1]);
+  }
+}
+
+}  // namespace
+
+// w [N, K] fp32 -> [N / kBlock, K, kBlock], N a multiple of `decode_gemm_block()`.
+torch::Tensor pack_decode_weight(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat32, "w: [N, K] fp32");
+  const int64_t n = w.size(0), k_len = w.size(1);
+  TORCH_CHECK(n % kBlock == 0, "N must be a multiple of ", kBlock);
+  return w.contiguous().view({n / kBlock, kBlock, k_len}).transpose(1, 2).contiguous();
+}
+
+// x [M, K] fp32 (contiguous), packed w from `pack_decode_weight`, optional bias [N] ->
+// y [M, N] fp32.
+torch::Tensor decode_linear(torch::Tensor x, torch::Tensor packed,
+                            std::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+              "x: contiguous [M, K] fp32");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kBlock && packed.size(1) == x.size(1),
+              "packed: [N / block, K, block] for this x");
+  const int64_t m = x.size(0), k_len = x.size(1), num_blocks = packed.size(0);
+  const int64_t n = num_blocks * kBlock;
+  auto y = torch::empty({m, n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = packed.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const float* w = wp + b * k_len * kBlock;
+      const float* next = b + 1 < num_blocks ? w + k_len * kBlock : nullptr;
+      float* out = yp + b * kBlock;
+      int64_t r = 0;  // the first tile prefetches the next block; the others read L2
+      for (; r + kTileRows <= m; r += kTileRows, next = nullptr)
+        tile<kTileRows>(xp + r * k_len, k_len, w, out + r * n, n, next);
+      for (; r + 4 <= m; r += 4, next = nullptr) tile<4>(xp + r * k_len, k_len, w, out + r * n, n, next);
+      for (; r < m; ++r, next = nullptr) tile<1>(xp + r * k_len, k_len, w, out + r * n, n, next);
+    }
+  });
+  if (bias.has_value()) y.add_(*bias);
+  return y;
+}
+
+int64_t decode_gemm_block() { return kBlock; }
+
+void register_gemm_ops(pybind11::module& m) {
+  m.def("pack_decode_weight", &pack_decode_weight, "w [N, K] -> [N / block, K, block] (CPU)");
+  m.def("decode_linear", &decode_linear, "x @ w^T at a decode step's few rows (CPU fp32)",
+        pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("bias") = pybind11::none());
+  m.def("decode_gemm_block", &decode_gemm_block, "outputs per packed block (N's multiple)");
+}
