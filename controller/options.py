@@ -81,7 +81,8 @@ class WorkerConfig:
         "to this many rows (a decode step, a few decodes beside a short chunk) runs the "
         "C++ GEMM (workers/kernels/csrc/cpu_gemm.cpp), which prefetches the next block of "
         "the weight while it computes one: 1.3-1.6x oneDNN's packed kernel at 1-32 rows on "
-        "an AVX-512 Xeon, even at 96, behind it from 128. Costs another copy of the packed "
+        "an AVX-512 Xeon, even at 96, behind it from 128. Only where the build has AVX-512 "
+        "(not yet measured on AVX2: oneDNN's there). Costs another copy of the packed "
         "weights; 0: never (oneDNN's kernel or the plain GEMM)."))
     cpu_fused_layers: bool = setting(True, description=(
         "On a CPU fp32 or bf16 worker whose C++ kernels build, the residual add + RMSNorm, "

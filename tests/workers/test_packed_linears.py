@@ -63,6 +63,7 @@ def test_the_decode_gemm_takes_calls_up_to_its_rows(num_rows: int,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """Every tile shape (14 rows, 4, 1 with AVX-512; 6, 4, 1 below) and the bias; oneDNN's
     packed kernel past `decode_max_rows`."""
+    monkeypatch.setattr("workers.models.packed.decode_gemm_preferred", lambda ops: True)
     policy = dataclasses.replace(POLICY, decode_max_rows=64)
     linear = _linear(160, 96)  # K not a multiple of the register width, N of the block
     packed = maybe_pack(linear, policy)
@@ -82,12 +83,17 @@ def test_the_decode_gemm_takes_calls_up_to_its_rows(num_rows: int,
 
 
 @needs_kernels
-def test_no_decode_gemm_where_the_outputs_are_not_whole_blocks() -> None:
+def test_no_decode_gemm_where_the_outputs_are_not_whole_blocks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("workers.models.packed.decode_gemm_preferred", lambda ops: True)
     policy = dataclasses.replace(POLICY, decode_max_rows=64)
     block = cpu_ops().decode_gemm_block()
     odd = maybe_pack(_linear(64, 3 * block + 8), policy)
     assert isinstance(odd, PackedLinear) and odd.decode_packed is None
+    assert maybe_pack(_linear(64, 3 * block), policy).decode_packed is not None
     assert maybe_pack(_linear(64, 3 * block), POLICY).decode_packed is None  # turned off
+    monkeypatch.setattr("workers.models.packed.decode_gemm_preferred", lambda ops: False)
+    assert maybe_pack(_linear(64, 3 * block), policy).decode_packed is None  # not here
 
 
 def _num_packed(engine: LocalEngine) -> int:

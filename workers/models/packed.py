@@ -92,13 +92,21 @@ def _decode_ops() -> ModuleType | None:
     return cpu_ops()
 
 
+def decode_gemm_preferred(ops: ModuleType) -> bool:
+    """Whether this build's decode GEMM is the one to use (AVX-512: measured faster than
+    oneDNN's; AVX2: not measured, oneDNN's kept)."""
+    return bool(ops.decode_gemm_preferred())
+
+
 def _decode_packed(weight: Tensor, policy: PackPolicy) -> tuple[Tensor | None, int]:
     """The C++ decode GEMM's copy of an fp32 weight and its row limit, or (None, 0) where it
-    does not apply (off, another dtype, no kernels, N not a multiple of its block), or where
+    does not apply (off, another dtype, no kernels or not preferred here, N not a multiple
+    of its block), or where
     it disagrees with the plain GEMM on a probe (checked once, as `pack_weight` does)."""
     ops = _decode_ops() if policy.decode_max_rows > 0 and weight.dtype == torch.float32 \
         else None
-    if ops is None or weight.shape[0] % ops.decode_gemm_block() != 0:
+    if ops is None or not decode_gemm_preferred(ops) \
+            or weight.shape[0] % ops.decode_gemm_block() != 0:
         return None, 0
     packed = ops.pack_decode_weight(weight.detach())
     probe = torch.linspace(-1.0, 1.0, 3 * weight.shape[1]).view(3, -1)

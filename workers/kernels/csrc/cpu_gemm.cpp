@@ -89,9 +89,14 @@ torch::Tensor decode_linear(torch::Tensor x, torch::Tensor packed,
 
 int64_t decode_gemm_block() { return kBlock; }
 
+// Measured faster than oneDNN only with AVX-512 (a 2-core Xeon); AVX2 builds have the kernel
+// (tested) but the worker keeps oneDNN's there until it is measured on such a CPU.
+bool decode_gemm_preferred() { return kWidth == 16; }
+
 void register_gemm_ops(pybind11::module& m) {
   m.def("pack_decode_weight", &pack_decode_weight, "w [N, K] -> [N / block, K, block] (CPU)");
   m.def("decode_linear", &decode_linear, "x @ w^T at a decode step's few rows (CPU fp32)",
         pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("bias") = pybind11::none());
   m.def("decode_gemm_block", &decode_gemm_block, "outputs per packed block (N's multiple)");
+  m.def("decode_gemm_preferred", &decode_gemm_preferred, "whether the worker uses it here");
 }
