@@ -27,6 +27,7 @@ from torch import Tensor
 
 from controller.messages import ChunkComplete, StepPlan, StepResult
 from workers.attention import AttentionBackend, HostStaging, SeqSpan, StepMetadata
+from workers.greedy_head import GreedyHead
 from workers.logprobs import score_rows
 from workers.model_config import ModelConfig
 from workers.sampled_rows import SampledRows, sampled_rows
@@ -54,6 +55,7 @@ class StepResults:
     _launch: Callable[[StepPlan], PendingStep]
     keep_logits: bool
     is_sampled_last_layer: bool
+    greedy_head: GreedyHead | None
     _staging: HostStaging
     backend: AttentionBackend
 
@@ -186,11 +188,27 @@ class StepResults:
         embed_row = self._config.hidden_size * self.dtype.itemsize
         return kv + span.num_query_tokens * (self._act_bytes_per_token + embed_row)
 
+    def _greedy_head(self, wanted: bool) -> GreedyHead | None:
+        """The bf16 screen of a CPU fp32 lm_head for greedy rows (`_screen`), where wanted
+        and where it applies (workers/greedy_head.py)."""
+        return GreedyHead.build(self.model.lm_head.weight) if wanted else None
+
+    def _screen(self, pending: PendingStep, hidden: Tensor, rows: Tensor) -> PendingStep:
+        """A CPU fp32 step's ids from the bf16 screen of its lm_head (workers/greedy_head.py)
+        for sampling rows [S, hidden] that need no logits (`_is_screened`)."""
+        assert self.greedy_head is not None
+        ids = self.greedy_head.ids(rows)  # [S]
+        pending.tokens = ids.tolist()
+        self._score(pending, hidden, None, ids)  # prompt log-probs only: none sampled
+        pending.end_s = time.perf_counter()
+        return pending
+
     def _is_screened(self, sampling_ids: list[str]) -> bool:
-        """Whether the step's sampling rows need only their argmax (`greedy_head`): all
-        greedy, none asking for log-probs, none constrained by a grammar."""
-        return all(p.is_greedy and p.logprobs is None and not p.grammar_kind for p in (
-            self._requests[rid].sampling_params for rid in sampling_ids))
+        """Whether the worker has a `greedy_head` and the step's sampling rows need only
+        their argmax: all greedy, none asking for log-probs, none constrained by a grammar."""
+        params = (self._requests[rid].sampling_params for rid in sampling_ids)
+        return self.greedy_head is not None and all(
+            p.is_greedy and p.logprobs is None and not p.grammar_kind for p in params)
 
     def _sampled_rows(self, meta: StepMetadata, spans: dict[str, SeqSpan],
                       sampling_ids: list[str]) -> SampledRows | None:

@@ -34,7 +34,6 @@ from controller.messages import CachedRequestData, NewRequestData, StepPlan, Ste
 from workers.attention import HostStaging, SeqSpan, StepMetadata, allocate_kv_cache, make_backend
 from workers.cpu_setup import prepare_cpu
 from workers.cuda_graphs import DecodeGraphs, Forward
-from workers.greedy_head import GreedyHead
 from workers.kv_provenance import KVProvenance
 from workers.loader import load_model, parse_dtype
 from workers.model_config import ModelConfig
@@ -132,9 +131,7 @@ class Worker(StepResults):
             )
         self.sampler = Sampler(seed)
         self.keep_logits = keep_logits
-        # CPU fp32 greedy rows' ids from a bf16 screen of the lm_head (workers/greedy_head.py).
-        self.greedy_head = (GreedyHead.build(self.model.lm_head.weight)
-                            if run.greedy_screen and not keep_logits else None)
+        self.greedy_head = self._greedy_head(run.greedy_screen and not keep_logits)
         self.is_sampled_last_layer = (  # workers/sampled_rows.py, where it runs
             run.sampled_last_layer and self.forward is self.model
             and self.model.runs_cpu_layers(self.dtype, self.device))
@@ -393,13 +390,9 @@ class Worker(StepResults):
             hidden = forward(meta.input_ids, meta.positions, attn, self.kv_caches)
         hidden = hidden[: meta.num_real_tokens]  # [T, hidden]; [S, hidden] when `sampled`
 
-        if self.greedy_head is not None and self._is_screened(sampling_ids):
-            ids = self.greedy_head.ids(hidden if sampled is not None
-                                       else hidden[meta.logits_indices])  # [S]
-            pending.tokens = ids.tolist()
-            self._score(pending, hidden, None, ids)  # prompt log-probs only: none sampled
-            pending.end_s = time.perf_counter()
-            return pending
+        rows = hidden if sampled is not None else hidden[meta.logits_indices]  # [S, hidden]
+        if self._is_screened(sampling_ids):  # greedy rows only: ids from the lm_head screen
+            return self._screen(pending, hidden, rows)
         if self.keep_logits:
             all_logits = self.model.compute_logits(hidden)  # [T, vocab]
             for rid, span in spans.items():
@@ -408,8 +401,7 @@ class Worker(StepResults):
                 self.last_logits[rid] = rows[-1].cpu()
             logits = all_logits[meta.logits_indices]
         else:
-            logits = self.model.compute_logits(  # [S, vocab]
-                hidden if sampled is not None else hidden[meta.logits_indices])
+            logits = self.model.compute_logits(rows)  # [S, vocab]
         raw_logits = self._apply_grammars(logits, sampling_ids)  # scored: before the mask
         if self.device.type == "cuda":
             # The step's one device-to-host copy, queued behind the step: into pinned memory,
