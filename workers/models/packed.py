@@ -9,6 +9,9 @@ Results differ from the plain GEMM by summation order only (~1e-6 relative in fp
 bf16's rounding in bf16); the packed copy is checked against the plain one once, at packing
 time. bf16 gains most: on a CPU with AMX the packed bf16 kernel ran 3-6x faster than fp32
 at 32-512 rows, where the plain bf16 call re-packs per call and lost most of that.
+An fp32 layer where the C++ kernels build with AVX-512 also keeps a copy for their decode
+GEMM (workers/kernels/csrc/cpu_gemm.cpp), which takes calls of up to `decode_max_rows` rows:
+there oneDNN's kernel left half the memory bandwidth unused.
 """
 
 from __future__ import annotations
@@ -101,8 +104,8 @@ def decode_gemm_preferred(ops: ModuleType) -> bool:
 def _decode_packed(weight: Tensor, policy: PackPolicy) -> tuple[Tensor | None, int]:
     """The C++ decode GEMM's copy of an fp32 weight and its row limit, or (None, 0) where it
     does not apply (off, another dtype, no kernels or not preferred here, N not a multiple
-    of its block), or where
-    it disagrees with the plain GEMM on a probe (checked once, as `pack_weight` does)."""
+    of its block) or disagrees with the plain GEMM on a probe (checked once, as
+    `pack_weight` checks its copy)."""
     ops = _decode_ops() if policy.decode_max_rows > 0 and weight.dtype == torch.float32 \
         else None
     if ops is None or not decode_gemm_preferred(ops) \
