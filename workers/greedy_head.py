@@ -25,6 +25,8 @@ grammar (workers/worker.py decides); costs one bf16 copy of the lm_head's weight
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -50,6 +52,12 @@ def has_bf16_units() -> bool:
     return False
 
 
+def _screen_ops() -> ModuleType | None:
+    from workers.kernels.cpu_ops import cpu_ops
+
+    return cpu_ops()
+
+
 class GreedyHead:
     def __init__(self, weight: Tensor, packed_bf16: Tensor, top_k: int = SCREEN_TOP_K) -> None:
         self.weight = weight  # [V, H] fp32: the lm_head's own parameter, not a copy
@@ -63,6 +71,7 @@ class GreedyHead:
         self.top_k = top_k
         assert self.num_blocks >= top_k, "a vocab of fewer than k blocks: no screen"
         self.block_offsets = torch.arange(BLOCK)
+        self.ops = _screen_ops()
         self.num_rows = 0  # rows whose ids the screen gave
         self.num_widened_rows = 0  # of them, rows whose top k did not decide (`_widened`)
 
@@ -82,9 +91,22 @@ class GreedyHead:
     def ids(self, hidden: Tensor) -> Tensor:
         """hidden [S, H] fp32 -> [S] int64: each row's argmax of hidden @ weight^T."""
         self.num_rows += hidden.shape[0]
+        hidden = hidden.contiguous()
         rounded = hidden.bfloat16()  # hb
-        approx = self._padded(packed_linear(rounded, self.packed, None))  # [S, V']
-        top, top_ids = self._top(approx)  # [S, k], largest first
+        screened = packed_linear(rounded, self.packed, None)  # [S, V] bf16
+        if self.ops is not None:  # the row pass in C++ (workers/kernels/csrc/cpu_screen.cpp)
+            ids, how = self.ops.greedy_screen(
+                screened, hidden, rounded, self.weight, self.top_k, self.max_row_norm,
+                self.max_residual_norm, self.sum_bound, SAFETY)
+            self.num_widened_rows += int((how > 0).sum())
+            for row in (how == 2).nonzero().squeeze(1).tolist():  # a NaN or an infinity
+                ids[row] = F.linear(hidden[row][None], self.weight)[0].max(dim=0).indices
+            return ids
+        return self._ids_torch(hidden, rounded, self._padded(screened))
+
+    def _ids_torch(self, hidden: Tensor, rounded: Tensor, approx: Tensor) -> Tensor:
+        """The same in torch operators (where the C++ kernels did not build)."""
+        top, top_ids = self._top(approx)  # [S, k], largest first; approx [S, V'] fp32
         rounded_norm = rounded.float().norm(dim=1)  # [S]
         residual_norm = (hidden - rounded.float()).norm(dim=1)  # [S], |dh|
         largest = torch.maximum(top[:, 0].abs(), top[:, -1].abs())  # [S]

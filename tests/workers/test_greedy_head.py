@@ -19,46 +19,58 @@ import workers.greedy_head as greedy_head
 from controller.messages import SamplingParams
 from tests.workers.helpers import Driver, build_hf_checkpoint, random_ids
 from workers.greedy_head import BLOCK, SCREEN_TOP_K, GreedyHead
+from workers.kernels.cpu_ops import cpu_ops
 from workers.models.packed import pack_weight
 from workers.worker import RunOptions, Worker
 
 VOCAB = 4096  # past the screen's smallest vocab (k blocks of BLOCK ids)
 
 
-def _head(weight: torch.Tensor) -> GreedyHead:
+@pytest.fixture(params=["cpp", "torch"])
+def row_pass(request) -> str:
+    """The row pass in C++ (workers/kernels/csrc/cpu_screen.cpp) or in torch operators."""
+    if request.param == "cpp" and cpu_ops() is None:
+        pytest.skip("the CPU kernels did not build here")
+    return request.param
+
+
+def _head(weight: torch.Tensor, row_pass: str = "cpp") -> GreedyHead:
     packed = pack_weight(weight.bfloat16(), batch_hint=32)
     if packed is None:
         pytest.skip("this torch build cannot pack a bf16 weight for oneDNN")
-    return GreedyHead(weight, packed)
+    head = GreedyHead(weight, packed)
+    if row_pass == "torch":
+        head.ops = None
+    return head
 
 
 def _argmax(hidden: torch.Tensor, weight: torch.Tensor) -> list[int]:
     return F.linear(hidden, weight).max(dim=1).indices.tolist()
 
 
-def test_the_ids_are_the_fp32_argmax_on_peaked_rows():
+def test_the_ids_are_the_fp32_argmax_on_peaked_rows(row_pass):
     torch.manual_seed(0)
     weight = torch.randn(VOCAB + 37, 256) * 0.05  # a vocab that is no multiple of BLOCK
     hidden = torch.randn(64, 256) * 4.0
-    head = _head(weight)
+    head = _head(weight, row_pass)
     assert head.ids(hidden).tolist() == _argmax(hidden, weight)
     assert head.num_rows == 64
     assert head.num_widened_rows < 64  # most rows decided by their top k
 
 
-def test_flat_rows_widen_and_stay_exact():
+def test_flat_rows_widen_and_stay_exact(row_pass):
     """Logits closer together than the bound: the top k cannot decide, every id within 2e
     of the largest is recomputed in fp32."""
     torch.manual_seed(1)
     base = torch.randn(256)
     weight = base + 1e-4 * torch.randn(VOCAB, 256)  # every id's logit within ~1e-3
     hidden = torch.randn(8, 256)
-    head = _head(weight)
+    head = _head(weight, row_pass)
     assert head.ids(hidden).tolist() == _argmax(hidden, weight)
     assert head.num_widened_rows == 8
 
 
-def test_a_tie_goes_to_the_lowest_id_and_a_nan_row_to_the_fp32_row():
+def test_a_tie_goes_to_the_lowest_id_and_a_nan_row_to_the_fp32_row(row_pass):
     torch.manual_seed(2)
     weight = torch.randn(VOCAB, 128) * 0.05
     hidden = torch.randn(3, 128) * 4.0
@@ -68,7 +80,7 @@ def test_a_tie_goes_to_the_lowest_id_and_a_nan_row_to_the_fp32_row():
     weight[twin] = weight[best]
     low = min(best, twin)
     hidden[2, 7] = float("nan")
-    head = _head(weight)
+    head = _head(weight, row_pass)
     got = head.ids(hidden).tolist()
     assert got == _argmax(hidden, weight)
     assert got[0] == low
