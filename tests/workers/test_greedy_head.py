@@ -5,7 +5,8 @@ token by token as transformers' `generate`, and a step where a request needs log
 
 The screen is built where oneDNN has bf16 units and the lm_head is large; the tests build
 it anyway (`has_bf16_units` and the size patched: without bf16 units oneDNN emulates bf16,
-slower, the same values), so the bound and the fallbacks are checked on every machine."""
+slower, the same values), so the bound and the fallbacks are checked on every machine
+where the C++ kernels build (the row pass is theirs: workers/kernels/csrc/cpu_screen.cpp)."""
 
 from __future__ import annotations
 
@@ -18,69 +19,60 @@ import torch.nn.functional as F
 import workers.greedy_head as greedy_head
 from controller.messages import SamplingParams
 from tests.workers.helpers import Driver, build_hf_checkpoint, random_ids
-from workers.greedy_head import BLOCK, SCREEN_TOP_K, GreedyHead
+from workers.greedy_head import SCREEN_TOP_K, GreedyHead
 from workers.kernels.cpu_ops import cpu_ops
 from workers.models.packed import pack_weight
 from workers.worker import RunOptions, Worker
 
-VOCAB = 4096  # past the screen's smallest vocab (k blocks of BLOCK ids)
+VOCAB = 4096
+
+pytestmark = pytest.mark.skipif(cpu_ops() is None, reason="the CPU kernels did not build here")
 
 
-@pytest.fixture(params=["cpp", "torch"])
-def row_pass(request) -> str:
-    """The row pass in C++ (workers/kernels/csrc/cpu_screen.cpp) or in torch operators."""
-    if request.param == "cpp" and cpu_ops() is None:
-        pytest.skip("the CPU kernels did not build here")
-    return request.param
-
-
-def _head(weight: torch.Tensor, row_pass: str = "cpp") -> GreedyHead:
+def _head(weight: torch.Tensor) -> GreedyHead:
     packed = pack_weight(weight.bfloat16(), batch_hint=32)
     if packed is None:
         pytest.skip("this torch build cannot pack a bf16 weight for oneDNN")
-    head = GreedyHead(weight, packed)
-    if row_pass == "torch":
-        head.ops = None
-    return head
+    return GreedyHead(weight, packed, cpu_ops())
 
 
 def _argmax(hidden: torch.Tensor, weight: torch.Tensor) -> list[int]:
     return F.linear(hidden, weight).max(dim=1).indices.tolist()
 
 
-def test_the_ids_are_the_fp32_argmax_on_peaked_rows(row_pass):
+def test_the_ids_are_the_fp32_argmax_on_peaked_rows():
     torch.manual_seed(0)
-    weight = torch.randn(VOCAB + 37, 256) * 0.05  # a vocab that is no multiple of BLOCK
+    weight = torch.randn(VOCAB + 37, 256) * 0.05  # an odd vocab
     hidden = torch.randn(64, 256) * 4.0
-    head = _head(weight, row_pass)
+    head = _head(weight)
     assert head.ids(hidden).tolist() == _argmax(hidden, weight)
     assert head.num_rows == 64
     assert head.num_widened_rows < 64  # most rows decided by their top k
 
 
-def test_flat_rows_widen_and_stay_exact(row_pass):
+def test_flat_rows_widen_and_stay_exact():
     """Logits closer together than the bound: the top k cannot decide, every id within 2e
     of the largest is recomputed in fp32."""
     torch.manual_seed(1)
     base = torch.randn(256)
     weight = base + 1e-4 * torch.randn(VOCAB, 256)  # every id's logit within ~1e-3
     hidden = torch.randn(8, 256)
-    head = _head(weight, row_pass)
+    head = _head(weight)
     assert head.ids(hidden).tolist() == _argmax(hidden, weight)
     assert head.num_widened_rows == 8
 
 
-def test_a_tie_goes_to_the_lowest_id_and_a_nan_row_to_the_fp32_row(row_pass):
+def test_a_tie_goes_to_the_lowest_id_and_a_nan_row_to_the_fp32_row():
     torch.manual_seed(2)
     weight = torch.randn(VOCAB, 128) * 0.05
     hidden = torch.randn(3, 128) * 4.0
     best = int(F.linear(hidden[0], weight).argmax())
-    # The same row at a lower id in another block: both are the largest logit.
-    twin = (best + 5 * BLOCK) % VOCAB
+    # The same row at another id: both are the largest logit.
+    twin = (best + 640) % VOCAB
     weight[twin] = weight[best]
     low = min(best, twin)
     hidden[2, 7] = float("nan")
-    head = _head(weight, row_pass)
+    head = _head(weight)
     got = head.ids(hidden).tolist()
     assert got == _argmax(hidden, weight)
     assert got[0] == low
@@ -92,8 +84,9 @@ def test_no_screen_where_it_cannot_gain(monkeypatch):
     assert GreedyHead.build(torch.randn(VOCAB, 64)) is None  # a small lm_head
     monkeypatch.setattr(greedy_head, "SCREEN_MIN_ELEMENTS", 0)
     assert GreedyHead.build(torch.randn(VOCAB, 64)) is not None
-    small = torch.randn(SCREEN_TOP_K * BLOCK - 1, 64)
-    assert GreedyHead.build(small) is None  # a vocab under k blocks
+    assert GreedyHead.build(torch.randn(SCREEN_TOP_K, 64)) is None  # a vocab of k ids
+    monkeypatch.setattr(greedy_head, "cpu_ops", lambda: None)
+    assert GreedyHead.build(torch.randn(VOCAB, 64)) is None  # no C++ kernels
     assert GreedyHead.build(torch.randn(VOCAB, 64).bfloat16()) is None  # not fp32
     monkeypatch.setattr(greedy_head, "has_bf16_units", lambda: False)
     assert GreedyHead.build(torch.randn(VOCAB, 64)) is None  # no bf16 units

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from workers.kernels.cpu_ops import cpu_ops
 from workers.sections import PackPolicy
 
 
@@ -69,9 +70,8 @@ class PackedLinear(nn.Module):
         self.decode_packed, self.decode_max_rows = decode_packed, decode_max_rows
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.decode_packed is not None and x.shape[0] <= self.decode_max_rows \
-                and x.dtype == torch.float32:
-            return _decode_ops().decode_linear(x.contiguous(), self.decode_packed, self.bias)
+        if self.decode_packed is not None and x.shape[0] <= self.decode_max_rows:
+            return cpu_ops().decode_linear(x.contiguous(), self.decode_packed, self.bias)
         if x.shape[0] >= self.min_rows:
             return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
@@ -89,12 +89,6 @@ def maybe_pack(linear: nn.Linear, policy: PackPolicy) -> nn.Module:
     return PackedLinear(linear, packed, min_rows, *_decode_packed(linear.weight, policy))
 
 
-def _decode_ops() -> ModuleType | None:
-    from workers.kernels.cpu_ops import cpu_ops
-
-    return cpu_ops()
-
-
 def decode_gemm_preferred(ops: ModuleType) -> bool:
     """Whether this build's decode GEMM is the one to use (AVX-512: measured faster than
     oneDNN's; AVX2: not measured, oneDNN's kept)."""
@@ -106,7 +100,7 @@ def _decode_packed(weight: Tensor, policy: PackPolicy) -> tuple[Tensor | None, i
     does not apply (off, another dtype, no kernels or not preferred here, N not a multiple
     of its block) or disagrees with the plain GEMM on a probe (checked once, as
     `pack_weight` checks its copy)."""
-    ops = _decode_ops() if policy.decode_max_rows > 0 and weight.dtype == torch.float32 \
+    ops = cpu_ops() if policy.decode_max_rows > 0 and weight.dtype == torch.float32 \
         else None
     if ops is None or not decode_gemm_preferred(ops) \
             or weight.shape[0] % ops.decode_gemm_block() != 0:
