@@ -22,10 +22,6 @@
 
 #include "cpu_vec.h"
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 template <typename T>  // float, or uint16_t for a bf16 cache's raw bits (cpu_decode.cpp)
 bool decode_attention_blocked(const float* q, int64_t q_row_stride, const T* k_cache,
                               const T* v_cache, const int64_t* block_table,

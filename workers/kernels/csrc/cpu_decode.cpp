@@ -22,10 +22,6 @@
 
 #include "cpu_vec.h"
 
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
 namespace {
 
 constexpr int kLevels = __builtin_ctz(kWidth);  // log2(kWidth)
@@ -74,29 +70,9 @@ inline void reduce_keys(vecf* acc) {
   }
 }
 
-// kWidth cache elements as floats: fp32 as they are, bf16 (raw bits) widened into the upper
-// half of each lane.
-typedef uint16_t vech __attribute__((vector_size(kWidth * 2)));
+// kWidth cache elements as floats: fp32 as they are, bf16 (raw bits) widened (cpu_vec.h).
 inline vecf load_kv(const float* p) { return loadv(p); }
-inline vecf load_kv(const uint16_t* p) {
-#if defined(__AVX512F__)
-  // One zero-extending load and a shift (GCC's generic conversion compiled to shuffles).
-  const __m512i wide =
-      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return reinterpret_cast<vecf>(_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
-#elif defined(__AVX2__)
-  const __m256i wide =
-      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return reinterpret_cast<vecf>(_mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
-#else
-  vech h;
-  std::memcpy(&h, p, sizeof(h));
-  const veci bits = __builtin_convertvector(h, veci) << 16;
-  vecf f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-#endif
-}
+inline vecf load_kv(const uint16_t* p) { return load_bf16(p); }
 
 // Query head rows `q` [group][HDV * kWidth] of one KV head against its n keys -> out [group][hd].
 // `scores`: the caller's buffer of group * round_up(n, kWidth) floats.

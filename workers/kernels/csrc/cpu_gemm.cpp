@@ -12,14 +12,21 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <array>
+#include <utility>
+
 #include "cpu_vec.h"
 
 namespace {
 
 constexpr int64_t kBlock = 2 * kWidth;  // outputs per block: two registers
-// Rows per tile: 2 x kTileRows accumulators, a weight pair and a broadcast in registers
-// (32 of them with AVX-512, 16 below).
-constexpr int kTileRows = kWidth == 16 ? 14 : 6;
+// Most rows per tile: 2 x kTileRows accumulators, a weight pair and a broadcast in registers
+// (32 of them with AVX-512, 16 below). A step's rows are split into the fewest tiles of at
+// most this many, as even as they go (32 rows: 11, 11, 10): a short tail tile (14, 14, 4
+// before) re-reads the block from L2 for little work. On a 2-core Zen 4, over the model's
+// 40 weights: 8 rows 118 against 91 GFLOP/s, 24 rows 185 against 148, 32 rows +4 %; 12
+// rows, not 14: 10-12 row tiles ran 2-5 % faster than 14 at 32-64 rows.
+constexpr int kTileRows = kWidth == 16 ? 12 : 6;
 
 // One tile of `rows` rows (a compile-time count: its accumulators stay in registers) over
 // one block: y[r][0:kBlock] = sum_k x[r][k] w[k][0:kBlock]. `next`: the block to prefetch.
@@ -47,6 +54,16 @@ inline void tile(const float* x, int64_t k_len, const float* w, float* y, int64_
   }
 }
 
+using TileFn = void (*)(const float*, int64_t, const float*, float*, int64_t, const float*);
+
+template <int... R>
+constexpr std::array<TileFn, sizeof...(R)> tiles_of(std::integer_sequence<int, R...>) {
+  return {&tile<R + 1>...};
+}
+// kTiles[r - 1]: the tile of r rows.
+constexpr std::array<TileFn, kTileRows> kTiles =
+    tiles_of(std::make_integer_sequence<int, kTileRows>{});
+
 }  // namespace
 
 // w [N, K] fp32 -> [N / kBlock, K, kBlock], N a multiple of `decode_gemm_block()`.
@@ -71,16 +88,17 @@ torch::Tensor decode_linear(torch::Tensor x, torch::Tensor packed,
   const float* xp = x.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  const int64_t num_tiles = (m + kTileRows - 1) / kTileRows;
   at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const float* w = wp + b * k_len * kBlock;
       const float* next = b + 1 < num_blocks ? w + k_len * kBlock : nullptr;
       float* out = yp + b * kBlock;
-      int64_t r = 0;  // the first tile prefetches the next block; the others read L2
-      for (; r + kTileRows <= m; r += kTileRows, next = nullptr)
-        tile<kTileRows>(xp + r * k_len, k_len, w, out + r * n, n, next);
-      for (; r + 4 <= m; r += 4, next = nullptr) tile<4>(xp + r * k_len, k_len, w, out + r * n, n, next);
-      for (; r < m; ++r, next = nullptr) tile<1>(xp + r * k_len, k_len, w, out + r * n, n, next);
+      // The first tile prefetches the next block; the others read this one from L2.
+      for (int64_t t = 0; t < num_tiles; ++t, next = nullptr) {
+        const int64_t r0 = t * m / num_tiles, rows = (t + 1) * m / num_tiles - r0;
+        kTiles[rows - 1](xp + r0 * k_len, k_len, w, out + r0 * n, n, next);
+      }
     }
   });
   if (bias.has_value()) y.add_(*bias);

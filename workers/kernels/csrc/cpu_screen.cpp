@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "cpu_vec.h"
@@ -19,6 +20,45 @@ inline float bf16_to_float(uint16_t bits) {
   float out;
   std::memcpy(&out, &word, sizeof(out));
   return out;
+}
+
+// A row's k largest values, largest first (ids ascending on ties), by insertion into a
+// sorted array; whether the row is finite (false: stopped at a NaN or an infinity).
+// A register of kWidth values is looked at lane by lane only where one of them would
+// enter (above the k-th largest so far) or is not finite: past the first registers
+// almost none do, and the scan runs at the speed of the loads.
+bool top_k_of(const uint16_t* row, int64_t vocab, int64_t top_k, float* top_val,
+              int64_t* top_id) {
+  int64_t filled = 0;
+  auto consider = [&](int64_t j) {
+    const float v = bf16_to_float(row[j]);
+    if (!std::isfinite(v)) return false;
+    if (filled == top_k && v <= top_val[top_k - 1]) return true;
+    int64_t at = filled < top_k ? filled++ : top_k - 1;
+    while (at > 0 && top_val[at - 1] < v) {
+      top_val[at] = top_val[at - 1];
+      top_id[at] = top_id[at - 1];
+      --at;
+    }
+    top_val[at] = v;
+    top_id[at] = j;
+    return true;
+  };
+  const veci exponent = veci{} + 0x7F800000;
+  int64_t j = 0;
+  for (; j + kWidth <= vocab; j += kWidth) {
+    const vecf v = load_bf16(row + j);
+    veci bits;
+    std::memcpy(&bits, &v, sizeof(bits));
+    const float floor = filled == top_k ? top_val[top_k - 1]
+                                        : -std::numeric_limits<float>::infinity();
+    if (!any_lane((v > floor) | ((bits & exponent) == exponent))) continue;
+    for (int k = 0; k < kWidth; ++k)
+      if (!consider(j + k)) return false;
+  }
+  for (; j < vocab; ++j)
+    if (!consider(j)) return false;
+  return true;
 }
 
 float dot(const float* a, const float* b, int64_t n) {
@@ -65,22 +105,7 @@ std::tuple<torch::Tensor, torch::Tensor> greedy_screen(
     for (int64_t r = begin; r < end; ++r) {
       const uint16_t* row = sp + r * vocab;
       const float* h = hp + r * width;
-      // The top k, largest first (insertion into a sorted array; ids ascending on ties).
-      int64_t filled = 0;
-      bool finite = true;
-      for (int64_t j = 0; j < vocab; ++j) {
-        const float v = bf16_to_float(row[j]);
-        if (!std::isfinite(v)) { finite = false; break; }
-        if (filled == top_k && v <= top_val[top_k - 1]) continue;
-        int64_t at = filled < top_k ? filled++ : top_k - 1;
-        while (at > 0 && top_val[at - 1] < v) {
-          top_val[at] = top_val[at - 1];
-          top_id[at] = top_id[at - 1];
-          --at;
-        }
-        top_val[at] = v;
-        top_id[at] = j;
-      }
+      const bool finite = top_k_of(row, vocab, top_k, top_val.data(), top_id.data());
       double hb_sq = 0.0, dh_sq = 0.0;
       for (int64_t i = 0; i < width && finite; ++i) {
         const double hb = bf16_to_float(rp[r * width + i]);

@@ -10,6 +10,10 @@
 #include <cstring>
 #include <new>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 #if defined(__AVX512F__)
 constexpr int64_t kWidth = 16;  // floats per register
 #elif defined(__AVX__)
@@ -52,6 +56,43 @@ inline vecf loadv(const float* p) {
   return v;
 }
 inline void storev(float* p, vecf v) { std::memcpy(p, &v, sizeof(v)); }
+
+// kWidth bf16 values (raw bits) as floats: each widened into the upper half of its lane.
+typedef uint16_t vech __attribute__((vector_size(kWidth * 2)));
+inline vecf load_bf16(const uint16_t* p) {
+#if defined(__AVX512F__)
+  // One zero-extending load and a shift (GCC's generic conversion compiled to shuffles).
+  const __m512i wide =
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return reinterpret_cast<vecf>(_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
+#elif defined(__AVX2__)
+  const __m256i wide =
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return reinterpret_cast<vecf>(_mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
+#else
+  vech h;
+  std::memcpy(&h, p, sizeof(h));
+  const veci bits = __builtin_convertvector(h, veci) << 16;
+  vecf f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+#endif
+}
+
+// Whether any lane of a comparison's mask (all ones or zero per lane) is set.
+inline bool any_lane(veci mask) {
+#if defined(__AVX512F__)
+  const __m512i m = reinterpret_cast<__m512i>(mask);
+  return _mm512_test_epi32_mask(m, m) != 0;
+#elif defined(__AVX__)
+  const __m256i m = reinterpret_cast<__m256i>(mask);
+  return !_mm256_testz_si256(m, m);
+#else
+  for (int k = 0; k < kWidth; ++k)
+    if (mask[k] != 0) return true;
+  return false;
+#endif
+}
 
 // Cephes' expf, in a form the compiler vectorizes (std::exp is a scalar libm call per element:
 // it was most of the attention kernels' time): x = n ln2 + r, |r| <= ln2 / 2, a degree-6
