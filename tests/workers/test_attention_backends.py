@@ -176,14 +176,15 @@ def test_kernel_calls_are_named_for_the_profiler_only_while_it_runs():
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [
     (8, 2, 64, 16), (4, 4, 128, 32), (6, 2, 32, 8), (3, 3, 16, 16), (8, 2, 96, 16),
-    (8, 2, 8, 16)])
+    (8, 2, 8, 16), (8, 1, 128, 16), (16, 2, 64, 16)])
 @pytest.mark.parametrize("lengths", [[37], [0, 14, 15, 16, 17, 31, 32, 33, 700]])
 def test_cpu_decode_kernel_matches_reference(num_heads, num_kv_heads, head_dim, block_size,
                                              lengths):
     """The C++ decode kernel on decode-only steps against float64: head sizes of 1, 2, 4
     and 8 registers (the register-blocked fp32 path) and sizes it leaves to the generic
     loop; blocks smaller and larger than a tile of keys; contexts around the tile's edges;
-    one row (a KV head per thread) and many (a row per thread); GQA groups of 4, 3 and 1."""
+    one row (a KV head per thread) and many (a row per thread); GQA groups of 4, 3 and 1,
+    and of 8 (more query heads than one pass of its p @ V loop holds: 3 at head_dim 128)."""
     case = make_case([(n, 1) for n in lengths], num_heads=num_heads,
                      num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
                      seed=5)
