@@ -17,7 +17,8 @@ default would cast an fp32 checkpoint to bf16 on an x86 CPU, tokenflow's keeps f
   spread of output tokens/s, start-up to ready, and the greedy outputs' agreement;
 - served: `python -m cluster.serve` (what `make serve` runs) and `vllm serve`, each started
   once and both kept up; the scene of benchmarks/peer_scene.py runs against one at a time,
-  alternating; time to healthy, resident memory of each server's process tree after its
+  alternating; time to healthy (first starts with both engines' caches empty, then each
+  started again with its cache), resident memory of each server's process tree after its
   rounds, and the CPU seconds the idle server used during the other's rounds;
 - profile: where tokenflow's offline step time goes (benchmarks/peer_profile.py).
 Ratios are tokenflow / vLLM (or vLLM / tokenflow for times), median against median.
@@ -31,10 +32,12 @@ import contextlib
 import json
 import os
 import platform
+import shutil
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -264,19 +267,31 @@ def run_served(model: str, rounds: int, vllm_python: str, log_dir: Path,
         "long_prompt_len": scene.LONG_PROMPT_LEN, "short_after_s": scene.SHORT_AFTER_S,
         "short_prompt_len": scene.SHORT_PROMPT_LEN}, "servers": {}}
 
+    # Each engine's caches of this run, empty at its first start: tokenflow's budget tables,
+    # vLLM's compile cache (its own and Inductor's). The first starts are both cold (a first
+    # `make serve`, a first `vllm serve` on this machine), the second both warm; the user's
+    # caches are neither read nor written.
+    caches = Path(tempfile.mkdtemp(prefix="peer-caches-"))
+    tf_env = {"PYTHONPATH": str(ROOT), "TOKENFLOW_WORKER__DTYPE": dtype,
+              "TOKENFLOW_CALIBRATION__CACHE_DIR": str(caches / "tokenflow-budgets")}
+    vllm_env = {**VLLM_ENV, "VLLM_CACHE_ROOT": str(caches / "vllm"),
+                "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor")}
+
     def start_tokenflow(port: int, log: str) -> scene.Server:
         return scene.start_server(
             "tokenflow", [PY, "-m", "cluster.serve", "--model", folder, "--port", str(port)],
-            port, {"PYTHONPATH": str(ROOT), "TOKENFLOW_WORKER__DTYPE": dtype}, log_dir / log)
+            port, tf_env, log_dir / log)
+
+    def start_vllm(port: int, log: str) -> scene.Server:
+        return scene.start_server(
+            "vllm", [vllm_bin, "serve", folder, "--host", "127.0.0.1", "--port", str(port),
+                     "--dtype", dtype], port, vllm_env, log_dir / log)
 
     try:
         # One at a time while starting: each start-up has the machine to itself.
         servers["tokenflow"] = start_tokenflow(tf_port, "serve-tokenflow.log")
         servers["tokenflow"].wait_ready(600)
-        servers["vllm"] = scene.start_server(
-            "vllm", [vllm_bin, "serve", folder, "--host", "127.0.0.1", "--port",
-                     str(vllm_port), "--dtype", dtype], vllm_port, VLLM_ENV,
-            log_dir / "serve-vllm.log")
+        servers["vllm"] = start_vllm(vllm_port, "serve-vllm.log")
         servers["vllm"].wait_ready(900)
         per: dict[str, list[dict[str, Any]]] = {name: [] for name in servers}
         idle_cpu: dict[str, float] = {name: 0.0 for name in servers}
@@ -304,15 +319,20 @@ def run_served(model: str, rounds: int, vllm_python: str, log_dir: Path,
                 **{key: scene.summarize(results, key) for key in (
                     "window_gap_p99_s", "window_gap_p50_s", "long_ttft_s", "short_ttft_s",
                     "users_tok_s", "gap_p50_s", "gap_p99_s")}}
-        # tokenflow again, alone, as a second `make serve` starts: its budget table cached.
+        # Each engine again, alone, as a second start: tokenflow's budget table cached,
+        # vLLM's compiled graphs cached.
         for name in list(servers):
             servers.pop(name).stop()
         again = servers["tokenflow-again"] = start_tokenflow(free_port(),
                                                              "serve-tokenflow-again.log")
         out["servers"]["tokenflow"]["ready_cached_s"] = again.wait_ready(600)
+        servers.pop("tokenflow-again").stop()
+        again = servers["vllm-again"] = start_vllm(free_port(), "serve-vllm-again.log")
+        out["servers"]["vllm"]["ready_warm_s"] = again.wait_ready(900)
     finally:
         for server in servers.values():
             server.stop()
+        shutil.rmtree(caches, ignore_errors=True)
     tf, vl = out["servers"].get("tokenflow"), out["servers"].get("vllm")
     if tf and vl:
         def ratio(key: str) -> float | None:
@@ -329,9 +349,11 @@ def run_served(model: str, rounds: int, vllm_python: str, log_dir: Path,
             "short_ttft_in_tokenflow_steps": (tf["short_ttft_s"]["median"] / step_s
                                               if step_s and tf["short_ttft_s"]["median"]
                                               else None),
+            # First starts (both cold), then second starts (both warm).
             "ready_vs_vllm": tf["ready_s"] / vl["ready_s"] if vl["ready_s"] else None,
-            "ready_cached_vs_vllm": (tf["ready_cached_s"] / vl["ready_s"]
-                                     if vl["ready_s"] and tf.get("ready_cached_s") else None),
+            "ready_cached_vs_vllm": (tf["ready_cached_s"] / vl["ready_warm_s"]
+                                     if vl.get("ready_warm_s") and tf.get("ready_cached_s")
+                                     else None),
         }
     return out
 
