@@ -2,6 +2,7 @@
 
     make bench-peer   # builds vLLM's CPU build in .venv-peer first
     python -m benchmarks.peer_bench --vllm-python .venv-peer/bin/python [--rounds 3]
+        [--warmup-rounds 1]
         [--skip-offline] [--skip-served] [--no-batch] [--no-vllm] [--no-eager]
         [--models builtin:bench ...] [--dtype float32|bfloat16]
         [--out benchmarks/results/peer.json]
@@ -53,6 +54,7 @@ VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2",
             "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_HOST_IP": "127.0.0.1",
             "VLLM_NO_USAGE_STATS": "1"}
 MODELS = ("builtin:bench", "builtin:small")
+WARMUP_SEED = 10_000  # the untimed rounds' prompts: no timed round (seed = its index) shares them
 
 
 def free_port() -> int:
@@ -164,7 +166,7 @@ def batch_summary(results: list[dict[str, Any]], tokenflow: list[dict[str, Any]]
 
 def run_offline(model: str, rounds: int, vllm_python: str, log_dir: Path,
                 profile: bool, eager: bool = True, batch: bool = True,
-                vllm: bool = True, dtype: str = "float32") -> dict[str, Any]:
+                vllm: bool = True, dtype: str = "float32", warmup: int = 1) -> dict[str, Any]:
     folder = checkpoint(model)
     tag = model.split(":")[-1]
     specs = offline_specs(vllm_python, eager, batch, vllm)
@@ -187,6 +189,18 @@ def run_offline(model: str, rounds: int, vllm_python: str, log_dir: Path,
                 cached_start, engines[name].ready = engines[name].ready, first.ready
         per: dict[str, list[dict[str, Any]]] = {name: [] for name in engines}
         order = list(engines)
+        # Untimed rounds first, each engine in turn, on prompts no timed round sees: every
+        # engine's first round ran slowest (LocalEngine 790-837 against 870-930 tok/s after
+        # it, vLLM 713-761 against 749-790, on a Zen 4). The batch path starts its Ray head
+        # and job anew every round: nothing of it stays warm.
+        warm: dict[str, list[float]] = {name: [] for name in engines}
+        for w in range(warmup):
+            for name in (n for n in order if n != "tokenflow_batch"):
+                scene.settle([e.proc.pid for n, e in engines.items() if n != name])
+                warm[name].append(engines[name].command(f"run {WARMUP_SEED + w}", "round")
+                                  ["tok_s"])
+                print(f"[offline {tag}] warm-up {w} {name}: {warm[name][-1]:.1f} tok/s",
+                      flush=True)
         for r in range(rounds):
             for name in (order if r % 2 == 0 else order[::-1]):
                 others = [e.proc.pid for n, e in engines.items() if n != name]
@@ -208,6 +222,7 @@ def run_offline(model: str, rounds: int, vllm_python: str, log_dir: Path,
                 "itl_slo_s": engines[name].ready.get("itl_slo_s"),
                 "tok_s": _stats([x["tok_s"] for x in results]),
                 "tok_s_rounds": [x["tok_s"] for x in results],
+                "warmup_tok_s_rounds": warm[name],
                 # Before each round the others were left to go idle (peer_scene.settle):
                 # the wait, and the CPU seconds they still used during the round.
                 "settle_wait_s_rounds": [x["settle_wait_s"] for x in results],
@@ -278,11 +293,13 @@ def run_served(model: str, rounds: int, vllm_python: str, log_dir: Path,
                 "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor")}
 
     def start_tokenflow(port: int, log: str) -> scene.Server:
+        scene.settle_machine()
         return scene.start_server(
             "tokenflow", [PY, "-m", "cluster.serve", "--model", folder, "--port", str(port)],
             port, tf_env, log_dir / log)
 
     def start_vllm(port: int, log: str) -> scene.Server:
+        scene.settle_machine()
         return scene.start_server(
             "vllm", [vllm_bin, "serve", folder, "--host", "127.0.0.1", "--port", str(port),
                      "--dtype", dtype], port, vllm_env, log_dir / log)
@@ -437,6 +454,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--vllm-python", default=str(ROOT / ".venv-peer" / "bin" / "python"))
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warmup-rounds", type=int, default=1, help=(
+        "offline: untimed rounds of each engine before the timed ones"))
     parser.add_argument("--skip-offline", action="store_true")
     parser.add_argument("--skip-served", action="store_true")
     parser.add_argument("--models", nargs="+", default=list(MODELS))
@@ -477,7 +496,8 @@ def main() -> None:
     if not args.skip_offline:
         report["offline"] = [run_offline(m, args.rounds, args.vllm_python, log_dir,
                                          profile=m == args.profile_model, eager=args.eager,
-                                         batch=args.batch, vllm=args.vllm, dtype=args.dtype)
+                                         batch=args.batch, vllm=args.vllm, dtype=args.dtype,
+                                         warmup=args.warmup_rounds)
                              for m in args.models]
         save("offline")
     print(json.dumps(report["targets"], indent=2))
