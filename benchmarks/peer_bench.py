@@ -204,7 +204,9 @@ def run_offline(model: str, rounds: int, vllm_python: str, log_dir: Path,
         for r in range(rounds):
             for name in (order if r % 2 == 0 else order[::-1]):
                 others = [e.proc.pid for n, e in engines.items() if n != name]
-                waited = scene.settle(others)  # the other engines idle first
+                # The other engines idle first, and the machine: the batch path's Ray head
+                # stops in its own session, outside its runner's process tree.
+                waited = scene.settle(others) + scene.settle_machine()
                 before = {n: scene.tree_cpu_s(e.proc.pid) for n, e in engines.items()}
                 result = engines[name].command(f"run {r}", "round")
                 result["settle_wait_s"] = waited
