@@ -43,21 +43,36 @@ SCREEN_TOP_K = 16  # candidates recomputed in fp32 per row; the rest of the voca
 SAFETY = 2.0  # the bound's margin (oneDNN's kernels may sum in another order, flush subnormals)
 
 
+def _cpu_has(probe_name: str) -> bool:
+    probe = getattr(torch.cpu, probe_name, None)  # torch's CPU feature probes, where it has them
+    return bool(probe is not None and probe())
+
+
+def has_amx() -> bool:
+    return _cpu_has("_is_amx_tile_supported")
+
+
 def has_bf16_units() -> bool:
-    """Whether oneDNN has native bf16 dot products here (AMX tiles or AVX512-BF16): only
-    there did the bf16 screen beat the fp32 GEMM it replaces."""
-    for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):
-        probe = getattr(torch.cpu, name, None)
-        if probe is not None and probe():
-            return True
-    return False
+    """Whether this CPU has native bf16 dot products (AMX tiles or AVX512-BF16): only there
+    did the bf16 screen beat the fp32 GEMM it replaces."""
+    return has_amx() or _cpu_has("_is_avx512_bf16_supported")
+
+
+def uses_own_gemm(ops: ModuleType, weight: Tensor) -> bool:
+    """Whether the screen's GEMM is the C++ one (workers/kernels/csrc/cpu_screen.cpp): built
+    with AVX512-BF16 and no AMX here (with AMX oneDNN's tiles ran the screen's 32 rows in
+    1.7 ms on a Xeon; on a Zen 4 its AVX512-BF16 kernel took ~2.9), and the weight's shape
+    fits its blocks."""
+    return (bool(ops.screen_gemm_available()) and not has_amx()
+            and weight.shape[0] % 32 == 0 and weight.shape[1] % 2 == 0)
 
 
 class GreedyHead:
     def __init__(self, weight: Tensor, packed_bf16: Tensor, ops: ModuleType,
-                 top_k: int = SCREEN_TOP_K) -> None:
+                 top_k: int = SCREEN_TOP_K, own_gemm: bool = False) -> None:
         self.weight = weight  # [V, H] fp32: the lm_head's own parameter, not a copy
-        self.packed = packed_bf16  # oneDNN-packed bf16 copy of it
+        # The bf16 copy of it: oneDNN-packed, or in `ops.screen_gemm`'s blocks (own_gemm).
+        self.packed, self.own_gemm = packed_bf16, own_gemm
         w = weight.detach()
         rounded = w.bfloat16().float()  # Wb
         self.max_row_norm = float(torch.maximum(w.norm(dim=1), rounded.norm(dim=1)).max())
@@ -78,7 +93,10 @@ class GreedyHead:
                 or weight.numel() < SCREEN_MIN_ELEMENTS or weight.shape[0] <= SCREEN_TOP_K
                 or not has_bf16_units() or (ops := cpu_ops()) is None):
             return None
-        packed = pack_weight(weight.detach().bfloat16(), batch_hint=32)
+        rounded = weight.detach().bfloat16()
+        if uses_own_gemm(ops, weight):
+            return cls(weight.detach(), ops.pack_screen_weight(rounded), ops, own_gemm=True)
+        packed = pack_weight(rounded, batch_hint=32)
         return None if packed is None else cls(weight.detach(), packed, ops)
 
     @torch.inference_mode()
@@ -87,7 +105,8 @@ class GreedyHead:
         self.num_rows += hidden.shape[0]
         hidden = hidden.contiguous()
         rounded = hidden.bfloat16()  # hb
-        screened = packed_linear(rounded, self.packed, None)  # [S, V] bf16
+        screened = (self.ops.screen_gemm(rounded, self.packed) if self.own_gemm
+                    else packed_linear(rounded, self.packed, None))  # [S, V] bf16
         # The row pass (top k, bound, candidates in fp32): workers/kernels/csrc/cpu_screen.cpp.
         ids, how = self.ops.greedy_screen(
             screened, hidden, rounded, self.weight, self.top_k, self.max_row_norm,

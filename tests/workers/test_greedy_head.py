@@ -6,7 +6,8 @@ token by token as transformers' `generate`, and a step where a request needs log
 The screen is built where oneDNN has bf16 units and the lm_head is large; the tests build
 it anyway (`has_bf16_units` and the size patched: without bf16 units oneDNN emulates bf16,
 slower, the same values), so the bound and the fallbacks are checked on every machine
-where the C++ kernels build (the row pass is theirs: workers/kernels/csrc/cpu_screen.cpp)."""
+where the C++ kernels build (the row pass is theirs: workers/kernels/csrc/cpu_screen.cpp),
+with oneDNN's bf16 GEMM and, where the build has AVX512-BF16, the C++ one."""
 
 from __future__ import annotations
 
@@ -29,11 +30,27 @@ VOCAB = 4096
 pytestmark = pytest.mark.skipif(cpu_ops() is None, reason="the CPU kernels did not build here")
 
 
-def _head(weight: torch.Tensor) -> GreedyHead:
+def _has_own_gemm() -> bool:
+    ops = cpu_ops()
+    return ops is not None and bool(ops.screen_gemm_available())
+
+
+@pytest.fixture(params=["onednn", "own"])
+def gemm(request) -> str:
+    """The screen's bf16 GEMM: oneDNN's, or the C++ one (where built with AVX512-BF16)."""
+    if request.param == "own" and not _has_own_gemm():
+        pytest.skip("the C++ screen GEMM needs an AVX512-BF16 build")
+    return str(request.param)
+
+
+def _head(weight: torch.Tensor, gemm: str = "onednn") -> GreedyHead:
+    ops = cpu_ops()
+    if gemm == "own":
+        return GreedyHead(weight, ops.pack_screen_weight(weight.bfloat16()), ops, own_gemm=True)
     packed = pack_weight(weight.bfloat16(), batch_hint=32)
     if packed is None:
         pytest.skip("this torch build cannot pack a bf16 weight for oneDNN")
-    return GreedyHead(weight, packed, cpu_ops())
+    return GreedyHead(weight, packed, ops)
 
 
 def _argmax(hidden: torch.Tensor, weight: torch.Tensor) -> list[int]:
@@ -50,19 +67,55 @@ def test_the_ids_are_the_fp32_argmax_on_peaked_rows():
     assert head.num_widened_rows < 64  # most rows decided by their top k
 
 
-def test_flat_rows_widen_and_stay_exact():
+def test_the_ids_are_the_fp32_argmax_with_either_gemm(gemm):
+    torch.manual_seed(3)
+    weight = torch.randn(VOCAB, 256) * 0.05
+    hidden = torch.randn(40, 256) * 4.0  # tiles of 12 rows and a short one: 10, 10, 10, 10
+    head = _head(weight, gemm)
+    assert head.ids(hidden).tolist() == _argmax(hidden, weight)
+    assert head.ids(hidden[:5]).tolist() == _argmax(hidden[:5], weight)
+
+
+@pytest.mark.skipif(not _has_own_gemm(), reason="the C++ screen GEMM needs AVX512-BF16")
+@pytest.mark.parametrize("rows", [1, 7, 12, 13, 32, 65])
+def test_the_screen_gemm_is_the_bf16_product_rounded_once(rows):
+    """The C++ screen GEMM against the exact product of the same bf16 inputs (float64),
+    rounded to bf16: within one bf16 rounding of it, plus fp32 sums' error."""
+    torch.manual_seed(rows)
+    weight = (torch.randn(96, 130) * 0.05).bfloat16()  # K not a multiple of 32
+    x = torch.randn(rows, 130).bfloat16()
+    ops = cpu_ops()
+    got = ops.screen_gemm(x, ops.pack_screen_weight(weight)).double()
+    want = F.linear(x.double(), weight.double())
+    slack = 2.0**-8 * want.abs() + 130 * 2.0**-23 * F.linear(x.double().abs(),
+                                                            weight.double().abs())
+    assert got.shape == (rows, 96)
+    assert bool(((got - want).abs() <= slack).all())
+
+
+def test_the_own_gemm_only_without_amx(monkeypatch):
+    ops = cpu_ops()
+    weight = torch.randn(VOCAB, 64)
+    monkeypatch.setattr(greedy_head, "has_amx", lambda: True)
+    assert not greedy_head.uses_own_gemm(ops, weight)  # oneDNN's AMX tiles there
+    monkeypatch.setattr(greedy_head, "has_amx", lambda: False)
+    assert greedy_head.uses_own_gemm(ops, weight) == _has_own_gemm()
+    assert not greedy_head.uses_own_gemm(ops, torch.randn(VOCAB + 1, 64))  # not its blocks
+
+
+def test_flat_rows_widen_and_stay_exact(gemm):
     """Logits closer together than the bound: the top k cannot decide, every id within 2e
     of the largest is recomputed in fp32."""
     torch.manual_seed(1)
     base = torch.randn(256)
     weight = base + 1e-4 * torch.randn(VOCAB, 256)  # every id's logit within ~1e-3
     hidden = torch.randn(8, 256)
-    head = _head(weight)
+    head = _head(weight, gemm)
     assert head.ids(hidden).tolist() == _argmax(hidden, weight)
     assert head.num_widened_rows == 8
 
 
-def test_a_tie_goes_to_the_lowest_id_and_a_nan_row_to_the_fp32_row():
+def test_a_tie_goes_to_the_lowest_id_and_a_nan_row_to_the_fp32_row(gemm):
     torch.manual_seed(2)
     weight = torch.randn(VOCAB, 128) * 0.05
     hidden = torch.randn(3, 128) * 4.0
@@ -72,7 +125,7 @@ def test_a_tie_goes_to_the_lowest_id_and_a_nan_row_to_the_fp32_row():
     weight[twin] = weight[best]
     low = min(best, twin)
     hidden[2, 7] = float("nan")
-    head = _head(weight)
+    head = _head(weight, gemm)
     got = head.ids(hidden).tolist()
     assert got == _argmax(hidden, weight)
     assert got[0] == low

@@ -6,9 +6,11 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "cpu_vec.h"
@@ -142,6 +144,109 @@ std::tuple<torch::Tensor, torch::Tensor> greedy_screen(
   return {ids, how};
 }
 
+// The screen's GEMM, bf16 x bf16 -> bf16 with fp32 sums (workers/greedy_head.py's
+// `approx`), where the build has AVX512-BF16: oneDNN's kernel ran a 32-row step of
+// builtin:bench's lm_head (32000 x 512) at ~360 GFLOP/s on a Zen 4 without AMX. The layout
+// and the walk are the fp32 decode GEMM's (cpu_gemm.cpp): blocks of 32 outputs, each k pair
+// of them contiguous ([N / 32][K / 2][32][2]) for VDPBF16PS, which adds a lane's two
+// products (exact in fp32) to its sum, rounding each addition; the output is rounded to bf16
+// (to nearest). The bound of greedy_head.py holds as for oneDNN's kernel, which uses the same
+// instruction here.
+#if defined(__AVX512BF16__)
+namespace {
+
+constexpr int64_t kScreenBlock = 32;  // outputs per block: two registers of 16 fp32 sums
+constexpr int kScreenTileRows = 12;
+
+template <int rows>
+void screen_tile(const uint32_t* x, int64_t pairs, const uint32_t* w, uint16_t* y, int64_t n,
+                 const uint32_t* next) {
+  __m512 acc[rows][2];
+  for (int r = 0; r < rows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + p * kScreenBlock);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + p * kScreenBlock + 16);
+    if (next != nullptr) {  // the next block's lines of this pair, into L2
+      __builtin_prefetch(next + p * kScreenBlock, 0, 2);
+      __builtin_prefetch(next + p * kScreenBlock + 16, 0, 2);
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < rows; ++r) {
+      const __m512bh b = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * pairs + p]));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, b);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, b);
+    }
+  }
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < 2; ++c)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * n + c * 16),
+                          (__m256i)_mm512_cvtneps_pbh(acc[r][c]));
+}
+
+using ScreenTileFn = void (*)(const uint32_t*, int64_t, const uint32_t*, uint16_t*, int64_t,
+                              const uint32_t*);
+
+template <int... R>
+constexpr std::array<ScreenTileFn, sizeof...(R)> screen_tiles_of(
+    std::integer_sequence<int, R...>) {
+  return {&screen_tile<R + 1>...};
+}
+constexpr std::array<ScreenTileFn, kScreenTileRows> kScreenTiles =
+    screen_tiles_of(std::make_integer_sequence<int, kScreenTileRows>{});
+
+}  // namespace
+#endif
+
+bool screen_gemm_available() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// w [N, K] bf16, N a multiple of 32 and K even -> [N / 32, K / 2, 32, 2].
+torch::Tensor pack_screen_weight(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kBFloat16, "w: [N, K] bf16");
+  const int64_t n = w.size(0), k_len = w.size(1);
+  TORCH_CHECK(n % 32 == 0 && k_len % 2 == 0, "N must be a multiple of 32, K even");
+  return w.contiguous().view({n / 32, 32, k_len / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+}
+
+// x [M, K] bf16 (contiguous), packed w from `pack_screen_weight` -> y [M, N] bf16.
+torch::Tensor screen_gemm(torch::Tensor x, torch::Tensor packed) {
+  TORCH_CHECK(screen_gemm_available(), "built without AVX512-BF16");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous(),
+              "x: contiguous [M, K] bf16");
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == torch::kBFloat16 &&
+                  packed.size(2) == 32 && packed.size(3) == 2 &&
+                  packed.size(1) * 2 == x.size(1), "packed: [N / 32, K / 2, 32, 2] for this x");
+  const int64_t m = x.size(0), pairs = packed.size(1), num_blocks = packed.size(0);
+  const int64_t n = num_blocks * 32;
+  auto y = torch::empty({m, n}, x.options());
+#if defined(__AVX512BF16__)
+  const auto* xp = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const int64_t num_tiles = (m + kScreenTileRows - 1) / kScreenTileRows;
+  at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const uint32_t* w = wp + b * pairs * kScreenBlock;
+      const uint32_t* next = b + 1 < num_blocks ? w + pairs * kScreenBlock : nullptr;
+      for (int64_t t = 0; t < num_tiles; ++t, next = nullptr) {
+        const int64_t r0 = t * m / num_tiles, rows = (t + 1) * m / num_tiles - r0;
+        kScreenTiles[rows - 1](xp + r0 * pairs, pairs, w, yp + r0 * n + b * kScreenBlock, n,
+                               next);
+      }
+    }
+  });
+#endif
+  return y;
+}
+
 void register_screen_ops(pybind11::module& m) {
   m.def("greedy_screen", &greedy_screen, "greedy ids from a bf16 screen, checked in fp32 (CPU)");
+  m.def("screen_gemm_available", &screen_gemm_available, "whether screen_gemm is built here");
+  m.def("pack_screen_weight", &pack_screen_weight, "w [N, K] bf16 -> screen_gemm's blocks");
+  m.def("screen_gemm", &screen_gemm, "x [M, K] bf16 @ packed^T -> [M, N] bf16 (AVX512-BF16)");
 }
