@@ -5,7 +5,8 @@ Why: at a decode step's few rows the fp32 lm_head streams its whole weight (voca
 AVX512-BF16) the same GEMM from a bf16 copy reads half the bytes and ran 3-6x faster. A
 greedy row needs only the argmax, so the bf16 logits pick the candidates and fp32 decides:
 
-- screen: `approx = bf16(h) @ bf16(W)^T`, output rounded to bf16 (oneDNN, packed copy);
+- screen: `approx = bf16(h) @ bf16(W)^T`, output rounded to bf16 (oneDNN's packed copy, or
+  the C++ `screen_gemm` where the build has AVX512-BF16 and the CPU no AMX: `uses_own_gemm`);
 - bound: with h = hb + dh and W_j = Wb_j + dW_j (hb, Wb_j their bf16 roundings),
   h.W_j - hb.Wb_j = dh.W_j + hb.dW_j, so by Cauchy-Schwarz the inputs' rounding moves a
   logit by at most |dh| max|W_j| + |hb| max|dW_j| (the residuals' own norms, measured: about
