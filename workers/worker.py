@@ -396,9 +396,9 @@ class Worker(StepResults):
         if self.keep_logits:
             all_logits = self.model.compute_logits(hidden)  # [T, vocab]
             for rid, span in spans.items():
-                rows = all_logits[span.query_start : span.query_start + span.num_query_tokens]
-                self.span_logits[rid] = rows.cpu()
-                self.last_logits[rid] = rows[-1].cpu()
+                span_rows = all_logits[span.query_start : span.query_start + span.num_query_tokens]
+                self.span_logits[rid] = span_rows.cpu()
+                self.last_logits[rid] = span_rows[-1].cpu()
             logits = all_logits[meta.logits_indices]
         else:
             logits = self.model.compute_logits(rows)  # [S, vocab]
