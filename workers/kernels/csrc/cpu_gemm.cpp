@@ -4,7 +4,8 @@
 // At those rows a step streams every weight from memory once and does little work per
 // byte; oneDNN's packed kernel reached ~10 GB/s of the ~24 a plain read gets on 2 cores.
 // Here the weight is packed as [N / kBlock][K][kBlock] (kBlock = two registers of outputs,
-// contiguous per block), each thread walks its blocks in order, and while it computes one
+// contiguous per block), each thread walks its blocks in order (cpu_vec.h's
+// for_each_row_tile, which also splits the rows into tiles), and while it computes one
 // block (a tile of rows at a time, the block's 64 KB re-read from L2) it prefetches the
 // next block's lines into L2, one k at a time during the first tile: memory keeps
 // streaming while the tiles compute. Sums run over k in order, one FMA per term (the
@@ -21,9 +22,8 @@ namespace {
 
 constexpr int64_t kBlock = 2 * kWidth;  // outputs per block: two registers
 // Most rows per tile: 2 x kTileRows accumulators, a weight pair and a broadcast in registers
-// (32 of them with AVX-512, 16 below). A step's rows are split into the fewest tiles of at
-// most this many, as even as they go (32 rows: 11, 11, 10): a short tail tile (14, 14, 4
-// before) re-reads the block from L2 for little work. On a 2-core Zen 4, over the model's
+// (32 of them with AVX-512, 16 below). Rows split evenly (32 rows: 11, 11, 10; before, tiles
+// of 14 and a tail: 14, 14, 4). On a 2-core Zen 4, over the model's
 // 40 weights: 8 rows 118 against 91 GFLOP/s, 24 rows 185 against 148, 32 rows +4 %; 12
 // rows, not 14: 10-12 row tiles ran 2-5 % faster than 14 at 32-64 rows.
 constexpr int kTileRows = kWidth == 16 ? 12 : 6;
@@ -88,18 +88,11 @@ torch::Tensor decode_linear(torch::Tensor x, torch::Tensor packed,
   const float* xp = x.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t num_tiles = (m + kTileRows - 1) / kTileRows;
-  at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const float* w = wp + b * k_len * kBlock;
-      const float* next = b + 1 < num_blocks ? w + k_len * kBlock : nullptr;
-      float* out = yp + b * kBlock;
-      // The first tile prefetches the next block; the others read this one from L2.
-      for (int64_t t = 0; t < num_tiles; ++t, next = nullptr) {
-        const int64_t r0 = t * m / num_tiles, rows = (t + 1) * m / num_tiles - r0;
-        kTiles[rows - 1](xp + r0 * k_len, k_len, w, out + r0 * n, n, next);
-      }
-    }
+  for_each_row_tile(m, num_blocks, kTileRows, [&](int64_t b, int64_t r0, int64_t rows,
+                                                  bool prefetch) {
+    const float* w = wp + b * k_len * kBlock;
+    kTiles[rows - 1](xp + r0 * k_len, k_len, w, yp + r0 * n + b * kBlock, n,
+                     prefetch ? w + k_len * kBlock : nullptr);
   });
   if (bias.has_value()) y.add_(*bias);
   return y;

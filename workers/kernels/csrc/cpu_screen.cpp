@@ -147,8 +147,9 @@ std::tuple<torch::Tensor, torch::Tensor> greedy_screen(
 // The screen's GEMM, bf16 x bf16 -> bf16 with fp32 sums (workers/greedy_head.py's
 // `approx`), where the build has AVX512-BF16: oneDNN's kernel ran a 32-row step of
 // builtin:bench's lm_head (32000 x 512) at ~360 GFLOP/s on a Zen 4 without AMX. The layout
-// and the walk are the fp32 decode GEMM's (cpu_gemm.cpp): blocks of 32 outputs, each k pair
-// of them contiguous ([N / 32][K / 2][32][2]) for VDPBF16PS, which adds a lane's two
+// and the walk (cpu_vec.h's for_each_row_tile) are the fp32 decode GEMM's (cpu_gemm.cpp):
+// blocks of 32 outputs, each k pair of them contiguous ([N / 32][K / 2][32][2]) for
+// VDPBF16PS, which adds a lane's two
 // products (exact in fp32) to its sum, rounding each addition; the output is rounded to bf16
 // (to nearest). The bound of greedy_head.py holds as for oneDNN's kernel, which uses the same
 // instruction here.
@@ -228,17 +229,11 @@ torch::Tensor screen_gemm(torch::Tensor x, torch::Tensor packed) {
   const auto* xp = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
   const auto* wp = reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-  const int64_t num_tiles = (m + kScreenTileRows - 1) / kScreenTileRows;
-  at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const uint32_t* w = wp + b * pairs * kScreenBlock;
-      const uint32_t* next = b + 1 < num_blocks ? w + pairs * kScreenBlock : nullptr;
-      for (int64_t t = 0; t < num_tiles; ++t, next = nullptr) {
-        const int64_t r0 = t * m / num_tiles, rows = (t + 1) * m / num_tiles - r0;
-        kScreenTiles[rows - 1](xp + r0 * pairs, pairs, w, yp + r0 * n + b * kScreenBlock, n,
-                               next);
-      }
-    }
+  for_each_row_tile(m, num_blocks, kScreenTileRows, [&](int64_t b, int64_t r0, int64_t rows,
+                                                        bool prefetch) {
+    const uint32_t* w = wp + b * pairs * kScreenBlock;
+    kScreenTiles[rows - 1](xp + r0 * pairs, pairs, w, yp + r0 * n + b * kScreenBlock, n,
+                           prefetch ? w + pairs * kScreenBlock : nullptr);
   });
 #endif
   return y;

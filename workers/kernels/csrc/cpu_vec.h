@@ -10,6 +10,8 @@
 #include <cstring>
 #include <new>
 
+#include <ATen/Parallel.h>
+
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -136,4 +138,22 @@ inline vecf expv_clamped(vecf x) {
   vecf scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return y * scale;
+}
+
+// The walk of a GEMM over a weight packed in blocks of outputs (cpu_gemm.cpp's fp32 decode
+// GEMM, cpu_screen.cpp's bf16 screen): blocks shared out over torch's threads, in order within
+// each; a block's m rows in the fewest tiles of at most max_rows, as even as they go (a short
+// tail tile re-read its block from L2 for little work). run(block, first_row, rows,
+// prefetch_next): only a block's first tile prefetches the next block (the others read this
+// one from L2).
+template <typename Run>
+void for_each_row_tile(int64_t m, int64_t num_blocks, int64_t max_rows, const Run& run) {
+  const int64_t num_tiles = (m + max_rows - 1) / max_rows;
+  at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      for (int64_t t = 0; t < num_tiles; ++t) {
+        const int64_t r0 = t * m / num_tiles;
+        run(b, r0, (t + 1) * m / num_tiles - r0, t == 0 && b + 1 < num_blocks);
+      }
+  });
 }
