@@ -84,8 +84,24 @@ void decode_kv_head(const float* q, const T* k_cache, const T* v_cache,
   constexpr int64_t hd = HDV * kWidth;
   const int64_t n_pad = (n + kWidth - 1) / kWidth * kWidth;
   const T* rows[kWidth];
+  // Key j's row of this KV head into cache ahead of use: a sequence's rows are blocks
+  // scattered over the pool, which the hardware prefetcher does not follow (the K walk
+  // looks kPrefetchKeys keys ahead, then at the first V rows; the V walk kPrefetchValues).
+  // Read from memory (8 layers, 32 rows x 160 keys) the kernel ran at ~10 GB/s of the ~35
+  // a plain read gets; offline builtin:bench gained ~2.5 % (2 of 3 interleaved pairs).
+  auto prefetch = [&](const T* cache, int64_t j) {
+    const char* p = reinterpret_cast<const char*>(
+        cache + (table[j / block_size] * block_size + j % block_size) * slot_stride + head_off);
+    for (int64_t line = 0; line < hd * static_cast<int64_t>(sizeof(T)); line += 64)
+      __builtin_prefetch(p + line);
+  };
+  constexpr int64_t kPrefetchKeys = 2 * kWidth, kPrefetchValues = kWidth;
   int64_t b = 0, o = 0;  // key j's block (table index) and row in it, walked without division
   for (int64_t j0 = 0; j0 < n; j0 += kWidth) {
+    for (int64_t j = j0 + kPrefetchKeys; j < j0 + kPrefetchKeys + kWidth; ++j) {
+      if (j < n) prefetch(k_cache, j);
+      else if (j - n < kPrefetchValues) prefetch(v_cache, j - n);
+    }
     for (int k = 0; k < kWidth; ++k) {
       // Keys past n repeat the last one (valid memory); their scores are never read.
       rows[k] = k_cache + (table[b] * block_size + o) * slot_stride + head_off;
@@ -138,6 +154,7 @@ void decode_kv_head(const float* q, const T* k_cache, const T* v_cache,
     vecf acc[kMaxGroup][HDV] = {};
     for (int64_t j = 0, vb = 0, vo = 0; j < n; ++j) {
       const T* vrow = v_cache + (table[vb] * block_size + vo) * slot_stride + head_off;
+      if (h0 == 0 && j + kPrefetchValues < n) prefetch(v_cache, j + kPrefetchValues);
       vecf v[HDV];
       for (int c = 0; c < HDV; ++c) v[c] = load_kv(vrow + c * kWidth);
       for (int64_t h = 0; h < num_heads; ++h) {
