@@ -1,8 +1,8 @@
 """tokenflow against vLLM's CPU build on the same machine and the same checkpoint.
 
     make bench-peer   # builds vLLM's CPU build in .venv-peer first
-    python -m benchmarks.peer_bench --vllm-python .venv-peer/bin/python [--rounds 3]
-        [--warmup-rounds 1]
+    python -m benchmarks.peer_bench --vllm-python .venv-peer/bin/python [--rounds 5]
+        [--warmup-rounds 1] [--start-rounds 3]
         [--skip-offline] [--skip-served] [--no-batch] [--no-vllm] [--no-eager]
         [--models builtin:bench ...] [--dtype float32|bfloat16]
         [--out benchmarks/results/peer.json]
@@ -18,9 +18,10 @@ default would cast an fp32 checkpoint to bf16 on an x86 CPU, tokenflow's keeps f
   spread of output tokens/s, start-up to ready, and the greedy outputs' agreement;
 - served: `python -m cluster.serve` (what `make serve` runs) and `vllm serve`, each started
   once and both kept up; the scene of benchmarks/peer_scene.py runs against one at a time,
-  alternating; time to healthy (first starts with both engines' caches empty, then each
-  started again with its cache), resident memory of each server's process tree after its
-  rounds, and the CPU seconds the idle server used during the other's rounds;
+  alternating; time to healthy, the median of --start-rounds starts of each engine alone
+  with its caches empty (cold: the first start, then one with fresh caches per round) and
+  as many with the first start's caches (warm), resident memory of each server's process
+  tree after its rounds, and the CPU seconds the idle server used during the other's rounds;
 - profile: where tokenflow's offline step time goes (benchmarks/peer_profile.py).
 Ratios are tokenflow / vLLM (or vLLM / tokenflow for times), median against median.
 """
@@ -271,7 +272,7 @@ def add_ratios(out: dict[str, Any]) -> None:
 
 
 def run_served(model: str, rounds: int, vllm_python: str, log_dir: Path,
-               dtype: str = "float32") -> dict[str, Any]:
+               dtype: str = "float32", start_rounds: int = 3) -> dict[str, Any]:
     folder = checkpoint(model)
     vocab = json.loads((Path(folder) / "config.json").read_text())["vocab_size"]
     vllm_bin = str(Path(vllm_python).parent / "vllm")
@@ -289,22 +290,32 @@ def run_served(model: str, rounds: int, vllm_python: str, log_dir: Path,
     # `make serve`, a first `vllm serve` on this machine), the second both warm; the user's
     # caches are neither read nor written.
     caches = Path(tempfile.mkdtemp(prefix="peer-caches-"))
-    tf_env = {"PYTHONPATH": str(ROOT), "TOKENFLOW_WORKER__DTYPE": dtype,
-              "TOKENFLOW_CALIBRATION__CACHE_DIR": str(caches / "tokenflow-budgets")}
-    vllm_env = {**VLLM_ENV, "VLLM_CACHE_ROOT": str(caches / "vllm"),
-                "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor")}
 
-    def start_tokenflow(port: int, log: str) -> scene.Server:
+    def start_tokenflow(port: int, log: str, cache: Path = caches) -> scene.Server:
         scene.settle_machine()
+        env = {"PYTHONPATH": str(ROOT), "TOKENFLOW_WORKER__DTYPE": dtype,
+               "TOKENFLOW_CALIBRATION__CACHE_DIR": str(cache / "tokenflow-budgets")}
         return scene.start_server(
             "tokenflow", [PY, "-m", "cluster.serve", "--model", folder, "--port", str(port)],
-            port, tf_env, log_dir / log)
+            port, env, log_dir / log)
 
-    def start_vllm(port: int, log: str) -> scene.Server:
+    def start_vllm(port: int, log: str, cache: Path = caches) -> scene.Server:
         scene.settle_machine()
+        env = {**VLLM_ENV, "VLLM_CACHE_ROOT": str(cache / "vllm"),
+               "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")}
         return scene.start_server(
             "vllm", [vllm_bin, "serve", folder, "--host", "127.0.0.1", "--port", str(port),
-                     "--dtype", dtype], port, vllm_env, log_dir / log)
+                     "--dtype", dtype], port, env, log_dir / log)
+
+    starts = {"tokenflow": start_tokenflow, "vllm": start_vllm}
+
+    def time_start(name: str, log: str, cache: Path = caches) -> float:
+        """One more start of `name` alone, to healthy, then stopped."""
+        server = servers[f"{name}-again"] = starts[name](free_port(), log, cache)
+        try:
+            return server.wait_ready(900)
+        finally:
+            servers.pop(f"{name}-again").stop()
 
     try:
         # One at a time while starting: each start-up has the machine to itself.
@@ -332,22 +343,33 @@ def run_served(model: str, rounds: int, vllm_python: str, log_dir: Path,
             rss, nproc = server.rss_bytes()
             results = per[name]
             out["servers"][name] = {
-                "ready_s": server.ready_s, "rss_bytes": rss, "num_processes": nproc,
+                "first_ready_s": server.ready_s, "rss_bytes": rss, "num_processes": nproc,
                 "idle_cpu_s_during_other_rounds": idle_cpu[name],
                 "rounds": results,
                 **{key: scene.summarize(results, key) for key in (
                     "window_gap_p99_s", "window_gap_p50_s", "long_ttft_s", "short_ttft_s",
                     "users_tok_s", "gap_p50_s", "gap_p99_s")}}
-        # Each engine again, alone, as a second start: tokenflow's budget table cached,
-        # vLLM's compiled graphs cached.
+        # Start-up is timed start_rounds times per engine, alone and alternating, so that
+        # its ratios are medians as the scene's are (one start of each had swung the cold
+        # ratio from 0.22 to 0.28 between runs). Cold: the scene's first starts, then starts
+        # each with empty caches of its own. Warm: starts with the first start's caches
+        # (tokenflow's budget table, vLLM's compiled graphs).
         for name in list(servers):
             servers.pop(name).stop()
-        again = servers["tokenflow-again"] = start_tokenflow(free_port(),
-                                                             "serve-tokenflow-again.log")
-        out["servers"]["tokenflow"]["ready_cached_s"] = again.wait_ready(600)
-        servers.pop("tokenflow-again").stop()
-        again = servers["vllm-again"] = start_vllm(free_port(), "serve-vllm-again.log")
-        out["servers"]["vllm"]["ready_warm_s"] = again.wait_ready(900)
+        cold = {name: [out["servers"][name]["first_ready_s"]] for name in starts}
+        warm: dict[str, list[float]] = {name: [] for name in starts}
+        for i in range(start_rounds):
+            for name in (order if i % 2 else order[::-1]):
+                if i >= 1:
+                    cold[name].append(time_start(name, f"serve-{name}-cold{i}.log",
+                                                 caches / f"cold-{i}"))
+                warm[name].append(time_start(name, f"serve-{name}-warm{i}.log"))
+        for name, key in (("tokenflow", "ready_cached_s"), ("vllm", "ready_warm_s")):
+            server = out["servers"][name]
+            server["ready_s_rounds"], server[f"{key}_rounds"] = cold[name], warm[name]
+            server["ready_s"] = statistics.median(cold[name])
+            server[key] = statistics.median(warm[name])
+            print(f"[served] starts {name}: cold {cold[name]}, warm {warm[name]}", flush=True)
     finally:
         for server in servers.values():
             server.stop()
@@ -368,7 +390,7 @@ def run_served(model: str, rounds: int, vllm_python: str, log_dir: Path,
             "short_ttft_in_tokenflow_steps": (tf["short_ttft_s"]["median"] / step_s
                                               if step_s and tf["short_ttft_s"]["median"]
                                               else None),
-            # First starts (both cold), then second starts (both warm).
+            # Medians of the cold starts (empty caches), then of the warm ones.
             "ready_vs_vllm": tf["ready_s"] / vl["ready_s"] if vl["ready_s"] else None,
             "ready_cached_vs_vllm": (tf["ready_cached_s"] / vl["ready_warm_s"]
                                      if vl.get("ready_warm_s") and tf.get("ready_cached_s")
@@ -455,7 +477,10 @@ def cpu_model() -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--vllm-python", default=str(ROOT / ".venv-peer" / "bin" / "python"))
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5, help=(
+        "timed rounds per engine, offline and of the served scene (medians of them)"))
+    parser.add_argument("--start-rounds", type=int, default=3, help=(
+        "served: cold and warm starts timed per engine (their medians are the ratios)"))
     parser.add_argument("--warmup-rounds", type=int, default=1, help=(
         "offline: untimed rounds of each engine before the timed ones"))
     parser.add_argument("--skip-offline", action="store_true")
@@ -493,7 +518,7 @@ def main() -> None:
 
     if not args.skip_served:
         report["served"] = run_served("builtin:bench", args.rounds, args.vllm_python, log_dir,
-                                      args.dtype)
+                                      args.dtype, args.start_rounds)
         save("served")
     if not args.skip_offline:
         report["offline"] = [run_offline(m, args.rounds, args.vllm_python, log_dir,

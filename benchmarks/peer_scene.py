@@ -238,7 +238,7 @@ def flow_metrics(url: str) -> dict[str, float]:
     limited its steps to fewer chunks, if anything did."""
     status, body = _get(f"{url}/metrics")
     wanted = ("flow_transitions", "flow_mode", "chunk_timeouts", "degraded_mode",
-              "budget_deviation", "bandwidth_utilization")
+              "budget_deviation", "bandwidth_utilization", "itl_slo_seconds")
     out: dict[str, float] = {}
     for line in body.decode(errors="replace").splitlines() if status == 200 else []:
         if line.startswith("#") or not any(w in line for w in wanted):
