@@ -271,6 +271,20 @@ def add_ratios(out: dict[str, Any]) -> None:
                                                / vllm["tok_s"]["median"])
 
 
+def start_plan(names: list[str], start_rounds: int) -> list[tuple[str, str, int]]:
+    """(engine, "cold" or "warm", round) of the starts timed after the scene, in order: per
+    round each engine in turn (the order flips every round), a cold start first from the
+    second round on (the scene's server was the first), then a warm one; start_rounds of
+    each kind per engine in all."""
+    plan = []
+    for i in range(start_rounds):
+        for name in (names if i % 2 else names[::-1]):
+            if i >= 1:
+                plan.append((name, "cold", i))
+            plan.append((name, "warm", i))
+    return plan
+
+
 def run_served(model: str, rounds: int, vllm_python: str, log_dir: Path,
                dtype: str = "float32", start_rounds: int = 3) -> dict[str, Any]:
     folder = checkpoint(model)
@@ -358,11 +372,11 @@ def run_served(model: str, rounds: int, vllm_python: str, log_dir: Path,
             servers.pop(name).stop()
         cold = {name: [out["servers"][name]["first_ready_s"]] for name in starts}
         warm: dict[str, list[float]] = {name: [] for name in starts}
-        for i in range(start_rounds):
-            for name in (order if i % 2 else order[::-1]):
-                if i >= 1:
-                    cold[name].append(time_start(name, f"serve-{name}-cold{i}.log",
-                                                 caches / f"cold-{i}"))
+        for name, kind, i in start_plan(order, start_rounds):
+            if kind == "cold":
+                cold[name].append(time_start(name, f"serve-{name}-cold{i}.log",
+                                             caches / f"cold-{i}"))
+            else:
                 warm[name].append(time_start(name, f"serve-{name}-warm{i}.log"))
         for name, key in (("tokenflow", "ready_cached_s"), ("vllm", "ready_warm_s")):
             server = out["servers"][name]

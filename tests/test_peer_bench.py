@@ -19,6 +19,7 @@ from benchmarks.peer_bench import (
     add_ratios,
     batch_summary,
     offline_specs,
+    start_plan,
     targets,
 )
 from benchmarks.peer_offline import OUTPUT_LEN, batch_line, prompts
@@ -190,3 +191,16 @@ def test_the_long_prompt_arrives_once_the_users_have_their_share() -> None:
     assert not counter.reached.is_set()
     counter.add(4)  # a decode burst's chunk names several tokens
     assert counter.reached.is_set() and counter.count == counter.target + 3
+
+
+def test_start_plan_times_each_engine_cold_and_warm_alternating() -> None:
+    plan = start_plan(["tokenflow", "vllm"], 3)
+    for name in ("tokenflow", "vllm"):
+        # The scene's first start is one cold start: two more, three warm ones.
+        assert [(k, i) for n, k, i in plan if n == name] == [
+            ("warm", 0), ("cold", 1), ("warm", 1), ("cold", 2), ("warm", 2)]
+    # The order flips every round: neither engine always starts right after the other.
+    assert [n for n, k, _ in plan if k == "warm"] == [
+        "vllm", "tokenflow", "tokenflow", "vllm", "vllm", "tokenflow"]
+    assert start_plan(["tokenflow", "vllm"], 1) == [("vllm", "warm", 0),
+                                                    ("tokenflow", "warm", 0)]
