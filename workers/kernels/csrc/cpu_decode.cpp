@@ -100,7 +100,7 @@ void decode_kv_head(const float* q, const T* k_cache, const T* v_cache,
   for (int64_t j0 = 0; j0 < n; j0 += kWidth) {
     for (int64_t j = j0 + kPrefetchKeys; j < j0 + kPrefetchKeys + kWidth; ++j) {
       if (j < n) prefetch(k_cache, j);
-      else if (j - n < kPrefetchValues) prefetch(v_cache, j - n);
+      else if (j - n < std::min(kPrefetchValues, n)) prefetch(v_cache, j - n);  // own keys only
     }
     for (int k = 0; k < kWidth; ++k) {
       // Keys past n repeat the last one (valid memory); their scores are never read.
