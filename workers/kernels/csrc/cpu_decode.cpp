@@ -89,18 +89,28 @@ void decode_kv_head(const float* q, const T* k_cache, const T* v_cache,
   // looks kPrefetchKeys keys ahead, then at the first V rows; the V walk kPrefetchValues).
   // Read from memory (8 layers, 32 rows x 160 keys) the kernel ran at ~10 GB/s of the ~35
   // a plain read gets; offline builtin:bench gained ~2.5 % (2 of 3 interleaved pairs).
-  auto prefetch = [&](const T* cache, int64_t j) {
+  // Each prefetch stream walks its keys' (block, row) as the loads do, without division.
+  struct Walk {
+    int64_t b, o;  // the key's block (table index) and row in it
+  };
+  auto prefetch = [&](const T* cache, Walk& w) {
     const char* p = reinterpret_cast<const char*>(
-        cache + (table[j / block_size] * block_size + j % block_size) * slot_stride + head_off);
+        cache + (table[w.b] * block_size + w.o) * slot_stride + head_off);
     for (int64_t line = 0; line < hd * static_cast<int64_t>(sizeof(T)); line += 64)
       __builtin_prefetch(p + line);
+    if (++w.o == block_size) {
+      w.o = 0;
+      ++w.b;
+    }
   };
   constexpr int64_t kPrefetchKeys = 2 * kWidth, kPrefetchValues = kWidth;
+  Walk k_ahead{kPrefetchKeys / block_size, kPrefetchKeys % block_size}, v_first{0, 0};
   int64_t b = 0, o = 0;  // key j's block (table index) and row in it, walked without division
   for (int64_t j0 = 0; j0 < n; j0 += kWidth) {
+    // Keys j0 + kPrefetchKeys onwards, one by one across tiles; past n the first V rows.
     for (int64_t j = j0 + kPrefetchKeys; j < j0 + kPrefetchKeys + kWidth; ++j) {
-      if (j < n) prefetch(k_cache, j);
-      else if (j - n < std::min(kPrefetchValues, n)) prefetch(v_cache, j - n);  // own keys only
+      if (j < n) prefetch(k_cache, k_ahead);
+      else if (j - n < std::min(kPrefetchValues, n)) prefetch(v_cache, v_first);  // own keys
     }
     for (int k = 0; k < kWidth; ++k) {
       // Keys past n repeat the last one (valid memory); their scores are never read.
@@ -152,9 +162,10 @@ void decode_kv_head(const float* q, const T* k_cache, const T* v_cache,
   for (int64_t h0 = 0; h0 < group; h0 += kMaxGroup) {
     const int64_t num_heads = std::min(group - h0, kMaxGroup);
     vecf acc[kMaxGroup][HDV] = {};
+    Walk v_ahead{kPrefetchValues / block_size, kPrefetchValues % block_size};
     for (int64_t j = 0, vb = 0, vo = 0; j < n; ++j) {
       const T* vrow = v_cache + (table[vb] * block_size + vo) * slot_stride + head_off;
-      if (h0 == 0 && j + kPrefetchValues < n) prefetch(v_cache, j + kPrefetchValues);
+      if (h0 == 0 && j + kPrefetchValues < n) prefetch(v_cache, v_ahead);
       vecf v[HDV];
       for (int c = 0; c < HDV; ++c) v[c] = load_kv(vrow + c * kWidth);
       for (int64_t h = 0; h < num_heads; ++h) {
