@@ -23,9 +23,9 @@ namespace {
 constexpr int64_t kBlock = 2 * kWidth;  // outputs per block: two registers
 // Most rows per tile: 2 x kTileRows accumulators, a weight pair and a broadcast in registers
 // (32 of them with AVX-512, 16 below). Rows split evenly (32 rows: 11, 11, 10; before, tiles
-// of 14 and a tail: 14, 14, 4). On a 2-core Zen 4, over the model's
-// 40 weights: 8 rows 118 against 91 GFLOP/s, 24 rows 185 against 148, 32 rows +4 %; 12
-// rows, not 14: 10-12 row tiles ran 2-5 % faster than 14 at 32-64 rows.
+// of 14 and a tail: 14, 14, 4). On a 2-core Zen 4, over the model's 40 weights: 8 rows 118
+// against 91 GFLOP/s, 24 rows 185 against 148, 32 rows +4 %; 12 rows, not 14: 10-12 row
+// tiles ran 2-5 % faster than 14 at 32-64 rows.
 constexpr int kTileRows = kWidth == 16 ? 12 : 6;
 
 // One tile of `rows` rows (a compile-time count: its accumulators stay in registers) over

@@ -149,10 +149,9 @@ std::tuple<torch::Tensor, torch::Tensor> greedy_screen(
 // builtin:bench's lm_head (32000 x 512) at ~360 GFLOP/s on a Zen 4 without AMX. The layout
 // and the walk (cpu_vec.h's for_each_row_tile) are the fp32 decode GEMM's (cpu_gemm.cpp):
 // blocks of 32 outputs, each k pair of them contiguous ([N / 32][K / 2][32][2]) for
-// VDPBF16PS, which adds a lane's two
-// products (exact in fp32) to its sum, rounding each addition; the output is rounded to bf16
-// (to nearest). The bound of greedy_head.py holds as for oneDNN's kernel, which uses the same
-// instruction here.
+// VDPBF16PS, which adds a lane's two products (exact in fp32) to its sum, rounding each
+// addition; the output is rounded to bf16 (to nearest). The bound of greedy_head.py holds
+// as for oneDNN's kernel, which uses the same instruction here.
 #if defined(__AVX512BF16__)
 namespace {
 
