@@ -136,7 +136,13 @@ def test_no_screen_where_it_cannot_gain(monkeypatch):
     monkeypatch.setattr(greedy_head, "has_bf16_units", lambda: True)
     assert GreedyHead.build(torch.randn(VOCAB, 64)) is None  # a small lm_head
     monkeypatch.setattr(greedy_head, "SCREEN_MIN_ELEMENTS", 0)
-    assert GreedyHead.build(torch.randn(VOCAB, 64)) is not None
+    weight = torch.randn(VOCAB, 64)
+    # Its bf16 GEMM: the C++ one, or oneDNN's packed one, which needs AVX-512 or AVX-NE-CONVERT
+    # (an AVX2 CPU: no bf16 copy, no screen).
+    ops = cpu_ops()
+    has_gemm = ((ops is not None and greedy_head.uses_own_gemm(ops, weight))
+                or pack_weight(weight.bfloat16(), batch_hint=32) is not None)
+    assert (GreedyHead.build(weight) is not None) == has_gemm
     assert GreedyHead.build(torch.randn(SCREEN_TOP_K, 64)) is None  # a vocab of k ids
     monkeypatch.setattr(greedy_head, "cpu_ops", lambda: None)
     assert GreedyHead.build(torch.randn(VOCAB, 64)) is None  # no C++ kernels
