@@ -9,9 +9,9 @@ Results differ from the plain GEMM by summation order only (~1e-6 relative in fp
 bf16's rounding in bf16); the packed copy is checked against the plain one once, at packing
 time. bf16 gains most: on a CPU with AMX the packed bf16 kernel ran 3-6x faster than fp32
 at 32-512 rows, where the plain bf16 call re-packs per call and lost most of that.
-An fp32 layer where the C++ kernels build with AVX-512 also keeps a copy for their decode
-GEMM (workers/kernels/csrc/cpu_gemm.cpp), which takes calls of up to `decode_max_rows` rows:
-there oneDNN's kernel left half the memory bandwidth unused.
+An fp32 layer where the C++ kernels build with AVX-512 or AVX2 + FMA also keeps a copy for
+their decode GEMM (workers/kernels/csrc/cpu_gemm.cpp), which takes calls of up to
+`decode_max_rows` rows: there oneDNN's kernel left half the memory bandwidth unused.
 """
 
 from __future__ import annotations
@@ -90,8 +90,8 @@ def maybe_pack(linear: nn.Linear, policy: PackPolicy) -> nn.Module:
 
 
 def decode_gemm_preferred(ops: ModuleType) -> bool:
-    """Whether this build's decode GEMM is the one to use (AVX-512: measured faster than
-    oneDNN's; AVX2: not measured, oneDNN's kept)."""
+    """Whether this build's decode GEMM is the one to use (AVX-512 and AVX2 with FMA:
+    measured faster than oneDNN's; narrower builds keep oneDNN's)."""
     return bool(ops.decode_gemm_preferred())
 
 
