@@ -97,12 +97,13 @@ class WorkerConfig:
         "is read (workers/sampled_rows.py). Off where a request asks for prompt "
         "log-probabilities. False runs the last layer on every row."))
     cpu_greedy_screen: bool = setting(True, description=(
-        "On a CPU fp32 worker where oneDNN has bf16 units (AMX or AVX512-BF16), a step whose "
-        "sampling rows are all greedy, with no log-probs and no grammar, takes its ids from "
-        "a bf16 copy of the lm_head: the top 16 bf16 logits of a row are recomputed in fp32 "
-        "when a bound on bf16's error proves the argmax is among them, else the row's "
-        "whole fp32 logits (workers/greedy_head.py). The ids are the fp32 argmax's; the "
-        "copy costs half the lm_head's fp32 bytes. False: every row's fp32 logits."))
+        "On a CPU fp32 worker with bf16 units (AMX or AVX512-BF16) or, without them, AVX2, "
+        "a step whose sampling rows are all greedy, with no log-probs and no grammar, takes "
+        "its ids from a bf16 (or, on AVX2, a per-row int16) copy of the lm_head: the top 16 "
+        "screened logits of a row are recomputed in fp32 when a bound on the copy's error "
+        "proves the argmax is among them, else the row's whole fp32 logits "
+        "(workers/greedy_head.py). The ids are the fp32 argmax's; the copy costs half the "
+        "lm_head's fp32 bytes. False: every row's fp32 logits."))
     cpu_keep_freed_memory: bool = setting(True, description=(
         "On a CPU worker, have glibc's allocator serve allocations up to 32 MiB from its "
         "heap and keep freed memory instead of returning it to the system (mallopt), so a "

@@ -30,7 +30,7 @@ class RunOptions:
     fused_layers: bool = True  # CPU fp32/bf16: the C++ norm, rotary and SiLU-and-mul
     keep_freed_memory: bool = True  # CPU: glibc keeps freed memory (workers/cpu_setup.py)
     sampled_last_layer: bool = True  # CPU fp32/bf16: last layer on sampled rows (sampled_rows.py)
-    greedy_screen: bool = True  # CPU fp32: greedy ids from a bf16 lm_head screen (greedy_head.py)
+    greedy_screen: bool = True  # CPU fp32: greedy ids from a lm_head screen (greedy_head.py)
 
 
 class WorkerSection(Protocol):

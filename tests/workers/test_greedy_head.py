@@ -1,13 +1,14 @@
-"""The bf16 screen of a CPU fp32 lm_head for greedy rows (workers/greedy_head.py): its ids
-equal the fp32 argmax on peaked, flat, tied and NaN rows; a worker that uses it decodes
-token by token as transformers' `generate`, and a step where a request needs logits
-(log-probs, a random sample) takes the fp32 path.
+"""The screen of a CPU fp32 lm_head for greedy rows (workers/greedy_head.py): its ids equal
+the fp32 argmax on peaked, flat, tied and NaN rows with each of its GEMMs; a worker that
+uses it decodes token by token as transformers' `generate`, and a step where a request
+needs logits (log-probs, a random sample) takes the fp32 path.
 
-The screen is built where oneDNN has bf16 units and the lm_head is large; the tests build
-it anyway (`has_bf16_units` and the size patched: without bf16 units oneDNN emulates bf16,
-slower, the same values), so the bound and the fallbacks are checked on every machine
-where the C++ kernels build (the row pass is theirs: workers/kernels/csrc/cpu_screen.cpp),
-with oneDNN's bf16 GEMM and, where the build has AVX512-BF16, the C++ one."""
+The screen is built where the lm_head is large and the CPU has bf16 units (bf16) or AVX2
+(int16); the tests build it anyway where they can (the size patched; oneDNN packs bf16
+where it has AVX-512 and emulates it without bf16 units: slower, the same values), so the
+bound and the fallbacks are checked on every machine where the C++ kernels build (the row
+pass is theirs: workers/kernels/csrc/cpu_screen.cpp), with oneDNN's bf16 GEMM where it
+packs, the C++ bf16 one where the build has AVX512-BF16 and the int16 one with AVX2."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 import workers.greedy_head as greedy_head
 from controller.messages import SamplingParams
 from tests.workers.helpers import Driver, build_hf_checkpoint, random_ids
-from workers.greedy_head import SCREEN_TOP_K, GreedyHead
+from workers.greedy_head import SCREEN_TOP_K, GreedyHead, i16_limits, pack_i16, quantize_rows
 from workers.kernels.cpu_ops import cpu_ops
 from workers.models.packed import pack_weight
 from workers.worker import RunOptions, Worker
@@ -35,18 +36,29 @@ def _has_own_gemm() -> bool:
     return ops is not None and bool(ops.screen_gemm_available())
 
 
-@pytest.fixture(params=["onednn", "own"])
+def _has_i16() -> bool:
+    ops = cpu_ops()
+    return ops is not None and bool(ops.screen_i16_available())
+
+
+@pytest.fixture(params=["onednn", "own", "i16"])
 def gemm(request) -> str:
-    """The screen's bf16 GEMM: oneDNN's, or the C++ one (where built with AVX512-BF16)."""
+    """The screen's GEMM: oneDNN's bf16 one, the C++ bf16 one (where built with
+    AVX512-BF16), or the C++ int16 one (where built with AVX2)."""
     if request.param == "own" and not _has_own_gemm():
         pytest.skip("the C++ screen GEMM needs an AVX512-BF16 build")
+    if request.param == "i16" and not _has_i16():
+        pytest.skip("the int16 screen needs an AVX2 build")
     return str(request.param)
 
 
 def _head(weight: torch.Tensor, gemm: str = "onednn") -> GreedyHead:
     ops = cpu_ops()
     if gemm == "own":
-        return GreedyHead(weight, ops.pack_screen_weight(weight.bfloat16()), ops, own_gemm=True)
+        return GreedyHead(weight, ops.pack_screen_weight(weight.bfloat16()), ops, gemm="own")
+    if gemm == "i16":
+        q, scale = quantize_rows(weight, i16_limits(weight.shape[1])[0])
+        return GreedyHead(weight, pack_i16(q), ops, gemm="i16", w_scale=scale)
     packed = pack_weight(weight.bfloat16(), batch_hint=32)
     if packed is None:
         pytest.skip("this torch build cannot pack a bf16 weight for oneDNN")
@@ -57,11 +69,11 @@ def _argmax(hidden: torch.Tensor, weight: torch.Tensor) -> list[int]:
     return F.linear(hidden, weight).max(dim=1).indices.tolist()
 
 
-def test_the_ids_are_the_fp32_argmax_on_peaked_rows():
+def test_the_ids_are_the_fp32_argmax_on_peaked_rows(gemm):
     torch.manual_seed(0)
-    weight = torch.randn(VOCAB + 37, 256) * 0.05  # an odd vocab
+    weight = torch.randn(VOCAB + (37 if gemm == "onednn" else 32), 256) * 0.05  # odd vocabs
     hidden = torch.randn(64, 256) * 4.0
-    head = _head(weight)
+    head = _head(weight, gemm)
     assert head.ids(hidden).tolist() == _argmax(hidden, weight)
     assert head.num_rows == 64
     assert head.num_widened_rows < 64  # most rows decided by their top k
@@ -91,6 +103,33 @@ def test_the_screen_gemm_is_the_bf16_product_rounded_once(rows):
                                                             weight.double().abs())
     assert got.shape == (rows, 96)
     assert bool(((got - want).abs() <= slack).all())
+
+
+@pytest.mark.skipif(not _has_i16(), reason="the int16 screen needs an AVX2 build")
+@pytest.mark.parametrize(("rows", "width"), [(1, 130), (7, 64), (13, 130), (32, 512), (3, 4096)])
+def test_the_int16_screen_is_the_quantized_product_rounded_once(rows, width):
+    """The int16 screen against the exact product (float64) of its own quantized inputs,
+    rounded to bf16: within one bf16 rounding plus the scaling's three fp32 roundings; the
+    input it reports is its own quantization. At the int16 limits (every value at its row's
+    largest) the int32 sums do not overflow."""
+    torch.manual_seed(rows)
+    qmax_w, qmax_x = i16_limits(width)
+    assert width * qmax_w * qmax_x < 2**31
+    weight = torch.randn(48, width) * 0.05
+    x = torch.randn(rows, width)
+    x[0] = x[0].abs().max()  # the worst row: every product at the limits, one sign
+    weight[5] = weight[5].abs().max()
+    q, scale = quantize_rows(weight, qmax_w)
+    ops = cpu_ops()
+    got, dequantized = ops.screen_i16(x, pack_i16(q), scale, qmax_x)
+    t = x.abs().amax(dim=1, keepdim=True) / qmax_x
+    p = torch.round(x / t).clamp(-qmax_x, qmax_x)
+    assert torch.equal(dequantized, p * t)
+    want = F.linear(p.double(), q.double()) * t.double() * scale.double()
+    assert bool((want[0, 5] > 0).item())  # the limits' row and weight: no wrap-around
+    slack = (2.0**-8 + 4 * 2.0**-24) * want.abs()
+    assert got.shape == (rows, 48)
+    assert bool(((got.double() - want).abs() <= slack).all())
 
 
 def test_the_own_gemm_only_without_amx(monkeypatch):
@@ -147,8 +186,11 @@ def test_no_screen_where_it_cannot_gain(monkeypatch):
     monkeypatch.setattr(greedy_head, "cpu_ops", lambda: None)
     assert GreedyHead.build(torch.randn(VOCAB, 64)) is None  # no C++ kernels
     assert GreedyHead.build(torch.randn(VOCAB, 64).bfloat16()) is None  # not fp32
+    monkeypatch.setattr(greedy_head, "cpu_ops", cpu_ops)
     monkeypatch.setattr(greedy_head, "has_bf16_units", lambda: False)
-    assert GreedyHead.build(torch.randn(VOCAB, 64)) is None  # no bf16 units
+    head = GreedyHead.build(torch.randn(VOCAB, 64))  # no bf16 units: int16 where AVX2
+    assert (head.gemm if head is not None else None) == ("i16" if _has_i16() else None)
+    assert GreedyHead.build(torch.randn(VOCAB + 8, 64)) is None  # not its blocks
 
 
 @pytest.fixture(scope="module")
@@ -158,12 +200,12 @@ def checkpoint(tmp_path_factory) -> Path:
 
 
 def _worker(checkpoint: Path, screen: bool, monkeypatch) -> Worker:
-    monkeypatch.setattr(greedy_head, "has_bf16_units", lambda: True)
+    """A worker with the screen this CPU builds (bf16 units: bf16; else AVX2: int16)."""
     monkeypatch.setattr(greedy_head, "SCREEN_MIN_ELEMENTS", 0)  # the tiny model's lm_head
     worker = Worker(str(checkpoint), num_kv_blocks=64, block_size=16,
                     run=RunOptions(greedy_screen=screen))
     if screen and worker.greedy_head is None:
-        pytest.skip("this torch build cannot pack a bf16 weight for oneDNN")
+        pytest.skip("no screen here: no bf16 units that oneDNN packs for, no AVX2 build")
     return worker
 
 

@@ -504,12 +504,14 @@ void register_layer_ops(pybind11::module& m);  // cpu_layers.cpp
 void register_thread_ops(pybind11::module& m);  // cpu_threads.cpp
 void register_gemm_ops(pybind11::module& m);  // cpu_gemm.cpp
 void register_screen_ops(pybind11::module& m);  // cpu_screen.cpp
+void register_screen_i16_ops(pybind11::module& m);  // cpu_screen_i16.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_layer_ops(m);
   register_thread_ops(m);
   register_gemm_ops(m);
   register_screen_ops(m);
+  register_screen_i16_ops(m);
   m.def("decode_attention", &decode_attention, "paged decode attention (CPU)");
   m.def("chunk_attention", &chunk_attention, "paged attention of one prefill chunk (CPU)");
   m.attr("chunk_attention_width") = kWidth;  // floats per register it was built for

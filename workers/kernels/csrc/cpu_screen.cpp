@@ -75,7 +75,8 @@ float dot(const float* a, const float* b, int64_t n) {
 
 }  // namespace
 
-// screened [S, V] bf16, hidden [S, H] fp32, rounded [S, H] bf16 (the screen's input),
+// screened [S, V] bf16, hidden [S, H] fp32, rounded [S, H] bf16 or fp32 (the screen's input:
+// hidden rounded to bf16, or quantized and dequantized by cpu_screen_i16.cpp),
 // weight [V, H] fp32 -> (ids [S] int64, how [S] int8: 0 decided by the top k, 1 widened,
 // 2 not decided: a NaN or an infinity, the caller takes the row's whole fp32 logits).
 std::tuple<torch::Tensor, torch::Tensor> greedy_screen(
@@ -86,8 +87,10 @@ std::tuple<torch::Tensor, torch::Tensor> greedy_screen(
                   screened.dim() == 2, "screened: contiguous [S, V] bf16");
   TORCH_CHECK(hidden.scalar_type() == torch::kFloat32 && hidden.is_contiguous(),
               "hidden: contiguous [S, H] fp32");
-  TORCH_CHECK(rounded.scalar_type() == torch::kBFloat16 && rounded.is_contiguous() &&
-                  rounded.sizes() == hidden.sizes(), "rounded: hidden in bf16");
+  const bool rounded_bf16 = rounded.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK((rounded_bf16 || rounded.scalar_type() == torch::kFloat32) &&
+                  rounded.is_contiguous() && rounded.sizes() == hidden.sizes(),
+              "rounded: the screen's input, bf16 or fp32, hidden's shape");
   TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.is_contiguous() &&
                   weight.size(0) == screened.size(1) && weight.size(1) == hidden.size(1),
               "weight: contiguous [V, H] fp32");
@@ -96,7 +99,9 @@ std::tuple<torch::Tensor, torch::Tensor> greedy_screen(
   auto ids = torch::zeros({rows}, torch::kInt64);
   auto how = torch::zeros({rows}, torch::kInt8);
   const auto* sp = reinterpret_cast<const uint16_t*>(screened.data_ptr<at::BFloat16>());
-  const auto* rp = reinterpret_cast<const uint16_t*>(rounded.data_ptr<at::BFloat16>());
+  const auto* rp = rounded_bf16
+      ? reinterpret_cast<const uint16_t*>(rounded.data_ptr<at::BFloat16>()) : nullptr;
+  const float* rfp = rounded_bf16 ? nullptr : rounded.data_ptr<float>();
   const float* hp = hidden.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   int64_t* ip = ids.data_ptr<int64_t>();
@@ -110,7 +115,7 @@ std::tuple<torch::Tensor, torch::Tensor> greedy_screen(
       const bool finite = top_k_of(row, vocab, top_k, top_val.data(), top_id.data());
       double hb_sq = 0.0, dh_sq = 0.0;
       for (int64_t i = 0; i < width && finite; ++i) {
-        const double hb = bf16_to_float(rp[r * width + i]);
+        const double hb = rp != nullptr ? bf16_to_float(rp[r * width + i]) : rfp[r * width + i];
         hb_sq += hb * hb;
         dh_sq += (h[i] - hb) * (h[i] - hb);
       }
