@@ -630,8 +630,15 @@ class BenchInterrupted(Exception):
     """SIGTERM (the device check's `timeout`) or SIGINT arrived during a phase."""
 
 
+# The signals received, by name. The handler's exception surfaces in whatever code runs, and
+# that code may swallow it or raise its own instead (torch turned one into a ValueError): a
+# phase during which a signal arrived counts as interrupted whatever it then raised.
+SIGNALS_RECEIVED: list[str] = []
+
+
 def _interrupt(signum: int, frame: Any) -> None:
-    raise BenchInterrupted(f"{signal.Signals(signum).name} received")
+    SIGNALS_RECEIVED.append(signal.Signals(signum).name)
+    raise BenchInterrupted(f"{SIGNALS_RECEIVED[-1]} received")
 
 
 class PhaseLog:
@@ -679,9 +686,11 @@ class PhaseLog:
             entry = {"status": "skipped", "reason": f"the {self.budget_s:.0f} s budget is spent"}
         else:
             _progress(f"{name} (at {elapsed:.0f} s)")
-            start = time.perf_counter()
+            start, num_signals = time.perf_counter(), len(SIGNALS_RECEIVED)
             try:
                 result = fn()
+                if len(SIGNALS_RECEIVED) > num_signals:  # its exception was swallowed
+                    raise BenchInterrupted(f"{SIGNALS_RECEIVED[-1]} received")
                 entry = {"status": "ok"}
                 if result is not None:
                     self.report[name] = result
@@ -689,12 +698,16 @@ class PhaseLog:
                 lines = traceback.format_exc().rstrip().splitlines()
                 entry = {"status": "error", "error": f"{type(err).__name__}: {err}"[:2000],
                          "traceback": lines[-TRACEBACK_LINES:]}
+                interrupted = isinstance(err, BenchInterrupted)
+                if not interrupted and len(SIGNALS_RECEIVED) > num_signals:
+                    interrupted = True  # raised as another error by the code it landed in
+                    entry["error"] = f"{SIGNALS_RECEIVED[-1]} received ({entry['error']})"[:2000]
                 _progress(f"{name} FAILED: {entry['error'][:300]}")
-                if isinstance(err, BenchInterrupted):
+                if interrupted:
                     entry["wall_s"] = time.perf_counter() - start
                     self.report["phases"][name] = entry
                     self.write()
-                    raise
+                    raise BenchInterrupted(entry["error"]) from err
             entry["wall_s"] = time.perf_counter() - start
         self.report["phases"][name] = entry
         self.write()

@@ -4,6 +4,7 @@ tests, which skip here) refuses to import Ray or pydantic (that machine has neit
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -231,6 +232,37 @@ def test_sigterm_mid_run_leaves_every_finished_phase(tmp_path):
     assert all(phases[name]["status"] == "ok" for name in PHASES[: PHASES.index("parity")])
     assert phases["parity"]["status"] == "error" and "SIGTERM" in phases["parity"]["error"]
     assert report["smoke_decode"]["step_ms"] > 0  # a finished phase's figures survive
+
+
+def test_a_signal_that_code_swallows_or_replaces_still_interrupts_the_phase(tmp_path):
+    """The handler's exception lands in whatever code runs; where that code raises its own
+    error instead (torch once turned it into a ValueError) or swallows it, the phase is
+    still marked with the signal and the run stops there."""
+    from benchmarks.gpu_bench import BenchInterrupted, PhaseLog, _interrupt
+
+    previous = signal.signal(signal.SIGUSR1, _interrupt)
+    try:
+        log = PhaseLog(tmp_path / "gpu.json", {}, budget_s=None)
+
+        def replaced():
+            try:
+                os.kill(os.getpid(), signal.SIGUSR1)  # handled before kill returns
+            except BenchInterrupted:
+                raise ValueError("could not determine the shape") from None
+
+        def swallowed():
+            with contextlib.suppress(BenchInterrupted):
+                os.kill(os.getpid(), signal.SIGUSR1)
+            return {"value": 1}
+
+        for name, fn in (("replaced", replaced), ("swallowed", swallowed)):
+            with pytest.raises(BenchInterrupted):
+                log.run(name, fn)
+            entry = json.loads((tmp_path / "gpu.json").read_text())["phases"][name]
+            assert entry["status"] == "error" and "SIGUSR1 received" in entry["error"]
+        assert "swallowed" not in log.report  # its result is not a finished phase's
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
 
 
 def test_jit_log_records_each_compile_by_phase_as_triton_calls_its_hooks(quick_report):
