@@ -55,10 +55,8 @@ def cpu_tag() -> str:
     except OSError:
         text = ""
     lines = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
-    # The torch: its version and where it is (each venv's build names its own headers), links
-    # resolved: a venv reached through a symlink is the same torch (the README tests' scratch
-    # folders link the checkout's .venv and rebuilt every kernel, ~100 s on a 2-core Zen 3).
-    lines.append(f"torch {torch.__version__} {Path(torch.__file__).resolve().parent}")
+    # The torch: its version and where it is (each venv's build names its own headers).
+    lines.append(f"torch {torch.__version__} {Path(torch.__file__).parent}")
     return hashlib.sha256("\n".join(sorted(set(lines))).encode()).hexdigest()[:12]
 
 
