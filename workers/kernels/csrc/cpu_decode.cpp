@@ -74,13 +74,21 @@ inline void reduce_keys(vecf* acc) {
 inline vecf load_kv(const float* p) { return loadv(p); }
 inline vecf load_kv(const uint16_t* p) { return load_bf16(p); }
 
+// The (row, KV head) a thread attends next: its table row, keys and head offset (table null:
+// none). Its first keys are prefetched during this one's p @ V pass.
+struct NextHead {
+  const int64_t* table;
+  int64_t n, head_off;
+};
+
 // Query head rows `q` [group][HDV * kWidth] of one KV head against its n keys -> out [group][hd].
-// `scores`: the caller's buffer of group * round_up(n, kWidth) floats.
+// `scores`: the caller's buffer of group * round_up(n, kWidth) floats. `ahead_heads`: how
+// many KV heads' rows (this one's and the next ones', adjacent in a slot) its walks prefetch.
 template <int HDV, typename T>
 void decode_kv_head(const float* q, const T* k_cache, const T* v_cache,
                     const int64_t* table, int64_t n, int64_t group, int64_t block_size,
                     int64_t slot_stride, int64_t head_off, float scale, float* scores,
-                    float* out) {
+                    float* out, NextHead next, int64_t ahead_heads) {
   constexpr int64_t hd = HDV * kWidth;
   const int64_t n_pad = (n + kWidth - 1) / kWidth * kWidth;
   const T* rows[kWidth];
@@ -93,11 +101,11 @@ void decode_kv_head(const float* q, const T* k_cache, const T* v_cache,
   struct Walk {
     int64_t b, o;  // the key's block (table index) and row in it
   };
+  const int64_t ahead_bytes = ahead_heads * hd * static_cast<int64_t>(sizeof(T));
   auto prefetch = [&](const T* cache, Walk& w) {
     const char* p = reinterpret_cast<const char*>(
         cache + (table[w.b] * block_size + w.o) * slot_stride + head_off);
-    for (int64_t line = 0; line < hd * static_cast<int64_t>(sizeof(T)); line += 64)
-      __builtin_prefetch(p + line);
+    for (int64_t line = 0; line < ahead_bytes; line += 64) __builtin_prefetch(p + line);
     if (++w.o == block_size) {
       w.o = 0;
       ++w.b;
@@ -162,10 +170,26 @@ void decode_kv_head(const float* q, const T* k_cache, const T* v_cache,
   for (int64_t h0 = 0; h0 < group; h0 += kMaxGroup) {
     const int64_t num_heads = std::min(group - h0, kMaxGroup);
     vecf acc[kMaxGroup][HDV] = {};
-    Walk v_ahead{kPrefetchValues / block_size, kPrefetchValues % block_size};
+    Walk v_ahead{kPrefetchValues / block_size, kPrefetchValues % block_size}, n_ahead{0, 0};
+    // The next head's first kPrefetchKeys K rows, one a key (its own walk prefetches the
+    // rest from key kPrefetchKeys on): each (row, head) had started with ~32 keys read at
+    // memory latency, ~20 % of a 160-key context.
+    const int64_t next_keys = next.table == nullptr || h0 != 0 ? 0
+                              : std::min(kPrefetchKeys, next.n);
     for (int64_t j = 0, vb = 0, vo = 0; j < n; ++j) {
       const T* vrow = v_cache + (table[vb] * block_size + vo) * slot_stride + head_off;
       if (h0 == 0 && j + kPrefetchValues < n) prefetch(v_cache, v_ahead);
+      if (j < next_keys) {
+        const char* p = reinterpret_cast<const char*>(
+            k_cache + (next.table[n_ahead.b] * block_size + n_ahead.o) * slot_stride +
+            next.head_off);
+        for (int64_t line = 0; line < hd * static_cast<int64_t>(sizeof(T)); line += 64)
+          __builtin_prefetch(p + line);
+        if (++n_ahead.o == block_size) {
+          n_ahead.o = 0;
+          ++n_ahead.b;
+        }
+      }
       vecf v[HDV];
       for (int c = 0; c < HDV; ++c) v[c] = load_kv(vrow + c * kWidth);
       for (int64_t h = 0; h < num_heads; ++h) {
@@ -205,10 +229,25 @@ void decode_paged(const float* q, int64_t q_row_stride, const T* k_cache, const 
         continue;
       }
       scores.resize(group * ((n + kWidth - 1) / kWidth * kWidth));
-      for (int64_t g = g0; g < g0 + kv_per_item; ++g)
+      for (int64_t g = g0; g < g0 + kv_per_item; ++g) {
+        // The row's first KV head prefetches every head's rows of the item (whole slots,
+        // where a head's pass alone read every other 256 bytes of each: the next heads'
+        // passes then read from L2). The head after this one in this thread's items: the
+        // next KV head of the row, or the next item's first (when it has keys).
+        NextHead next{nullptr, 0, 0};
+        if (g + 1 < g0 + kv_per_item) {
+          next = NextHead{block_table + s * table_width, n, (g + 1) * hd};
+        } else if (item + 1 < end) {
+          const int64_t s1 = (item + 1) / items_per_seq;
+          const int64_t g1 = ((item + 1) % items_per_seq) * kv_per_item;
+          if (seq_lens[s1] > 0) next = NextHead{block_table + s1 * table_width, seq_lens[s1],
+                                                g1 * hd};
+        }
         decode_kv_head<HDV, T>(q + s * q_row_stride + g * group * hd, k_cache, v_cache,
                             block_table + s * table_width, n, group, block_size, slot_stride,
-                            g * hd, scale, scores.data(), out + (s * num_heads + g * group) * hd);
+                            g * hd, scale, scores.data(), out + (s * num_heads + g * group) * hd,
+                            next, g == g0 ? kv_per_item : 1);
+      }
     }
   });
 }
