@@ -110,6 +110,12 @@ class WorkerConfig:
         "step's large activations reuse mapped pages instead of faulting in fresh ones "
         "(about a fifth of a 4,096-token prefill step on builtin:bench). The process's "
         "memory then stays near its peak."))
+    cpu_decode_stack: bool = setting(True, description=(
+        "On a CPU fp32 worker with the C++ layers and decode GEMM, a step whose rows are all "
+        "decodes (at most `cpu_decode_gemm_max_rows`) runs its layers in one C++ call "
+        "(workers/decode_stack.py) instead of the Python layer loop: the same kernels in the "
+        "same order, bit-equal hidden states, without ~15 Python dispatches a layer. False: "
+        "the loop."))
     cpu_bind_threads: bool = setting(True, description=(
         "A CPU worker actor whose torch threads are as many as the cores it may run on pins "
         "thread t to the t-th of them (as vLLM's CPU build binds its threads), so the "

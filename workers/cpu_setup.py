@@ -1,5 +1,6 @@
 """What a CPU worker sets up beside its model (the CPU fields of `RunOptions`): oneDNN-packed
-linear weights, the C++ elementwise layers, and glibc's allocator told to keep freed memory.
+linear weights, the C++ elementwise layers, a decode-only step's layers as one C++ call over
+its KV cache, and glibc's allocator told to keep freed memory.
 Each is a no-op where it does not apply (CUDA, another dtype, kernels that did not build)."""
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ import logging
 
 import torch
 
+from workers.attention import KVCache
+from workers.decode_stack import DecodeStack
 from workers.models.llama import LlamaForCausalLM
 from workers.sections import RunOptions
 
@@ -53,7 +56,7 @@ def bind_threads_to_cores() -> list[int]:
 
 
 def prepare_cpu(model: LlamaForCausalLM, run: RunOptions, device: torch.device,
-                attention_backend: str) -> None:
+                attention_backend: str, kv_caches: list[KVCache]) -> None:
     if device.type != "cpu":
         return
     if run.keep_freed_memory and not keep_freed_memory():
@@ -66,3 +69,5 @@ def prepare_cpu(model: LlamaForCausalLM, run: RunOptions, device: torch.device,
         from workers.kernels.cpu_ops import cpu_ops
 
         model.cpu_layers = cpu_ops()  # None where they did not build: the torch operators
+    if run.decode_stack and model.runs_cpu_layers(model.lm_head.weight.dtype, device):
+        model.decode_stack = DecodeStack.build(model, kv_caches)  # None where it cannot run

@@ -31,6 +31,7 @@ class RunOptions:
     keep_freed_memory: bool = True  # CPU: glibc keeps freed memory (workers/cpu_setup.py)
     sampled_last_layer: bool = True  # CPU fp32/bf16: last layer on sampled rows (sampled_rows.py)
     greedy_screen: bool = True  # CPU fp32: greedy ids from a lm_head screen (greedy_head.py)
+    decode_stack: bool = True  # CPU fp32: a decode-only step's layers in one C++ call
 
 
 class WorkerSection(Protocol):
@@ -56,6 +57,7 @@ class WorkerSection(Protocol):
     cpu_keep_freed_memory: bool
     cpu_sampled_last_layer: bool
     cpu_greedy_screen: bool
+    cpu_decode_stack: bool
     cpu_bind_threads: bool
 
 

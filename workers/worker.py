@@ -56,7 +56,8 @@ def build_worker(section: WorkerSection, cache: CacheSection) -> Worker:
                         section.num_threads, section.attention_backend, section.cuda_graphs,
                         section.max_graph_batch, packing_policy(section),
                         section.cpu_fused_layers, section.cpu_keep_freed_memory,
-                        section.cpu_sampled_last_layer, section.cpu_greedy_screen))
+                        section.cpu_sampled_last_layer, section.cpu_greedy_screen,
+                        section.cpu_decode_stack))
     if section.check_kv_provenance:
         worker.kv_provenance = KVProvenance(cache.block_size)
     if section.telemetry:
@@ -101,13 +102,12 @@ class Worker(StepResults):
         self.dtype = parse_dtype(dtype)
         self.model_path = resolve_model(model)
         self.model, self._config = load_model(self.model_path, self.dtype, self.device)
-        prepare_cpu(self.model, run, self.device, attention_backend)  # a no-op elsewhere
         self.num_kv_blocks, self.block_size = num_kv_blocks, block_size
         cfg = self._config
         self.kv_caches = allocate_kv_cache(
             cfg.num_hidden_layers, num_kv_blocks, block_size, cfg.num_key_value_heads,
-            cfg.head_dim, self.dtype, self.device,
-        )
+            cfg.head_dim, self.dtype, self.device)
+        prepare_cpu(self.model, run, self.device, attention_backend, self.kv_caches)  # or no-op
         self.backend = make_backend(
             attention_backend, num_heads=cfg.num_attention_heads,
             num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, dtype=self.dtype,

@@ -163,6 +163,15 @@ class TorchAttentionStep:
             self._buffers[which] = buf
         return _read_blocks(cache, block_ids, out=buf[: block_ids.numel()])
 
+    def decode_only_inputs(self) -> tuple[Tensor, Tensor, Tensor] | None:
+        """(block_table [T, W], seq_lens [T], slot_mapping [T]) where every row of the step
+        is a decode that the C++ kernel attends (what workers/decode_stack.py runs), else
+        None."""
+        meta = self.meta
+        if self.decode_kernel is None or not meta.is_decode_only or not meta.num_seqs:
+            return None
+        return meta.block_table, meta.seq_lens, meta.slot_mapping
+
     def write_kv(self, k: Tensor, v: Tensor, kv_cache: KVCache) -> None:
         """k/v [T, Hkv, hd] into the cache at the step's slots (no attention)."""
         k_cache, v_cache = kv_cache

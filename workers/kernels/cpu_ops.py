@@ -30,7 +30,8 @@ SOURCES = (Path(__file__).parent / "csrc" / "cpu_attention.cpp",
            Path(__file__).parent / "csrc" / "cpu_threads.cpp",
            Path(__file__).parent / "csrc" / "cpu_gemm.cpp",
            Path(__file__).parent / "csrc" / "cpu_screen.cpp",
-           Path(__file__).parent / "csrc" / "cpu_screen_i16.cpp")
+           Path(__file__).parent / "csrc" / "cpu_screen_i16.cpp",
+           Path(__file__).parent / "csrc" / "cpu_stack.cpp")
 # Included by the sources; copied beside their copies (ninja's depfiles rebuild on a change).
 HEADERS = (Path(__file__).parent / "csrc" / "cpu_vec.h",)
 

@@ -194,6 +194,9 @@ class LlamaForCausalLM(nn.Module):
         # The C++ elementwise layers (workers/kernels/csrc/cpu_layers.cpp), set by a CPU fp32
         # or bf16 worker (workers/cpu_setup.py); None: torch's operators.
         self.cpu_layers: Any = None
+        # A decode-only step's layers in one C++ call (workers/decode_stack.py), set by a CPU
+        # fp32 worker once its KV cache exists; None: the layer loop.
+        self.decode_stack: Any = None
 
     def tie_weights(self) -> None:
         """Share the output projection with the embedding (call again after `assign` loads)."""
@@ -227,6 +230,10 @@ class LlamaForCausalLM(nn.Module):
         if self.runs_cpu_layers(x.dtype, x.device):
             # The C++ rotary takes fp32 tables whatever the model's dtype (bf16 rotated in fp32).
             cos, sin = self.rotary_emb(positions, torch.float32)  # [T, hd/2] each
+            stack = self.decode_stack
+            inputs = None if stack is None or sampled is not None else stack.inputs(x, attn)
+            if inputs is not None:  # bit-equal to the loop below, in one call
+                return stack.forward(x, cos, sin, inputs)
             return self._forward_cpu_layers(x, cos, sin, attn, kv_caches, sampled)
         cos, sin = self.rotary_emb(positions, x.dtype)  # [T, hd/2] each, shared by all layers
         assert sampled is None, "the last layer on sampled rows is the C++ layers' path"

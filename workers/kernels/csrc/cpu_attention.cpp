@@ -111,6 +111,9 @@ void decode_attention_impl(const T* q, int64_t q_row_stride, const T* k_cache, c
   });
 }
 
+}  // namespace
+
+// (Outside the anonymous namespace: cpu_stack.cpp calls it too.)
 void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
                       torch::Tensor v_cache, torch::Tensor block_table, torch::Tensor seq_lens,
                       double scale) {
@@ -160,6 +163,7 @@ void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
   });
 }
 
+namespace {
 
 // Paged attention of one prefill chunk: its n queries, at positions ctx - n .. ctx - 1 of a
 // sequence whose keys 0 .. ctx - 1 are in the cache (the chunk's own already written), each
@@ -505,6 +509,7 @@ void register_thread_ops(pybind11::module& m);  // cpu_threads.cpp
 void register_gemm_ops(pybind11::module& m);  // cpu_gemm.cpp
 void register_screen_ops(pybind11::module& m);  // cpu_screen.cpp
 void register_screen_i16_ops(pybind11::module& m);  // cpu_screen_i16.cpp
+void register_stack_ops(pybind11::module& m);  // cpu_stack.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_layer_ops(m);
@@ -512,6 +517,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_gemm_ops(m);
   register_screen_ops(m);
   register_screen_i16_ops(m);
+  register_stack_ops(m);
   m.def("decode_attention", &decode_attention, "paged decode attention (CPU)");
   m.def("chunk_attention", &chunk_attention, "paged attention of one prefill chunk (CPU)");
   m.attr("chunk_attention_width") = kWidth;  // floats per register it was built for

@@ -1,0 +1,114 @@
+"""A decode-only step's layers in one C++ call (workers/decode_stack.py) against the Python
+layer loop on the same weights: bit-equal logits and the same greedy tokens over decode
+steps between chunked prefills; taken only where it applies; a bad slot fails the call
+before any KV row is written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.workers.helpers import Driver, build_hf_checkpoint, random_ids
+from workers.decode_stack import DecodeStack
+from workers.kernels.cpu_ops import cpu_ops
+from workers.sections import PackPolicy
+from workers.worker import RunOptions, Worker
+
+OPS = cpu_ops()
+pytestmark = pytest.mark.skipif(
+    OPS is None or not OPS.decode_gemm_preferred(),
+    reason="the CPU kernels or their decode GEMM are not built for this CPU")
+
+# Every linear of the small checkpoint packed, with its C++ decode copy up to 8 rows.
+POLICY = PackPolicy(min_rows=1, min_elements=1, any_rows_elements=1, decode_max_rows=8)
+# Chunked prefills beside decodes (mixed steps: the loop), then decode-only steps (the stack).
+PROMPTS = {"r0": 5, "r1": 40, "r2": 77}
+SCHEDULE = ({"r0": 5, "r1": 16, "r2": 16}, {"r0": 1, "r1": 24, "r2": 61},
+            *[{"r0": 1, "r1": 1, "r2": 1}] * 12)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return build_hf_checkpoint("llama", tmp_path_factory.mktemp("hf") / "llama",
+                               num_hidden_layers=3, attention_bias=True, mlp_bias=True)
+
+
+def _worker(checkpoint: Path, **run: object) -> Worker:
+    return Worker(str(checkpoint), num_kv_blocks=64, block_size=16, keep_logits=True,
+                  run=RunOptions(packing=POLICY, **run))  # type: ignore[arg-type]
+
+
+def _run(worker: Worker) -> tuple[dict[str, list[int]], list[torch.Tensor]]:
+    driver = Driver(worker)
+    for i, (rid, n) in enumerate(PROMPTS.items()):
+        driver.add(rid, random_ids(n, seed=800 + i))
+    logits = []
+    for step in SCHEDULE:
+        driver.step(step)
+        logits += [worker.span_logits[rid] for rid in step]
+    return driver.tokens, logits
+
+
+def test_the_stack_is_bit_equal_to_the_layer_loop(checkpoint):
+    """With biases on every linear: every step's logits equal (bit for bit) those of a
+    worker that runs the Python loop, and the stack ran exactly the decode-only steps."""
+    worker = _worker(checkpoint)
+    stack = worker.model.decode_stack
+    assert isinstance(stack, DecodeStack) and stack.max_rows == 8
+    calls: list[int] = []
+    forward = stack.forward
+    stack.forward = lambda x, *a: calls.append(x.shape[0]) or forward(x, *a)  # type: ignore
+    tokens, logits = _run(worker)
+    assert calls == [3] * 12  # the 12 decode-only steps, not the two with chunks
+
+    loop = _worker(checkpoint, decode_stack=False)
+    assert loop.model.decode_stack is None
+    loop_tokens, loop_logits = _run(loop)
+    assert tokens == loop_tokens
+    assert len(logits) == len(loop_logits)
+    for got, want in zip(logits, loop_logits, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_not_taken_past_its_rows_or_where_a_layer_lacks_its_decode_gemm(checkpoint):
+    worker = _worker(checkpoint)
+    stack = worker.model.decode_stack
+    assert stack is not None
+    x = torch.zeros(9, worker.model_config.hidden_size)
+
+    class DecodeOnly:  # an attention step whose rows are all decodes
+        def decode_only_inputs(self):
+            return "inputs"
+
+    assert stack.inputs(x, DecodeOnly()) is None  # 9 rows > decode_max_rows
+    assert stack.inputs(x[:8], DecodeOnly()) == "inputs"
+    assert stack.inputs(x[:8].bfloat16(), DecodeOnly()) is None
+    assert stack.inputs(x[:8], object()) is None  # an attention step without the C++ kernel
+    # No decode GEMM copies (decode_max_rows 0): no stack; bf16 weights: none either.
+    no_copies = PackPolicy(min_rows=1, min_elements=1, any_rows_elements=1, decode_max_rows=0)
+    plain = Worker(str(checkpoint), num_kv_blocks=64, block_size=16,
+                   run=RunOptions(packing=no_copies))
+    assert plain.model.decode_stack is None
+    bf16 = Worker(str(checkpoint), num_kv_blocks=64, block_size=16, dtype="bfloat16",
+                  run=RunOptions(packing=POLICY))
+    assert bf16.model.decode_stack is None
+
+
+def test_a_slot_outside_the_cache_fails_before_any_kv_row_is_written(checkpoint):
+    worker = _worker(checkpoint)
+    stack = worker.model.decode_stack
+    assert stack is not None
+    cfg = worker.model_config
+    before = [c.clone() for pair in worker.kv_caches for c in pair]
+    rows, half = 2, cfg.head_dim // 2
+    x = torch.randn(rows, cfg.hidden_size)
+    cos, sin = torch.ones(rows, half), torch.zeros(rows, half)
+    table = torch.tensor([[0], [1]], dtype=torch.long)
+    lens = torch.tensor([1, 1], dtype=torch.long)
+    bad = torch.tensor([3, 64 * 16], dtype=torch.long)  # the second row past the last slot
+    with pytest.raises(RuntimeError, match="out of the cache"):
+        stack.forward(x, cos, sin, (table, lens, bad))
+    after = [c for pair in worker.kv_caches for c in pair]
+    assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
