@@ -1,6 +1,6 @@
 """The C++ kernels' build cache (workers/kernels/cpu_ops.py): a builder killed mid-build
-does not leave every later start waiting, and a source that moves (a Ray job runs a per-job
-copy of the code) is not recompiled."""
+does not leave every later start waiting, a source that moves (a Ray job runs a per-job
+copy of the code) is not recompiled, nor is anything for a venv reached through a link."""
 
 from __future__ import annotations
 
@@ -47,6 +47,30 @@ def test_the_build_reads_a_stable_copy_rewritten_only_when_the_text_changes(
     assert copy.read_bytes().endswith(b"// changed\n")
     # The real build reads its copy, never the tree's path.
     assert f"compile {build_dir / 'cpu_attention.cpp'}" in (build_dir / "build.ninja").read_text()
+
+
+def test_a_venv_reached_through_a_link_imports_the_same_build(build_dir: Path,
+                                                              tmp_path: Path) -> None:
+    """The README tests' scratch folders link the checkout's .venv: their processes are
+    the same torch, find the finished build's stamp and import it, rebuilding nothing
+    (before, each rebuilt every kernel whenever the other kind of process had)."""
+    stamps = sorted(p.name for p in build_dir.glob("built-*"))
+    assert stamps == [f"built-{ops.build_key()}"]
+    built = build_dir / f"tokenflow_cpu_ops_{ops.cpu_tag()}.so"
+    before = built.stat().st_mtime_ns, (build_dir / "build.ninja").stat().st_mtime_ns
+    venv = Path(sys.prefix)
+    link = tmp_path / "venv"
+    link.symlink_to(venv)
+    python = link / Path(sys.executable).relative_to(venv)
+    probe = ("from workers.kernels import cpu_ops as o; m = o.cpu_ops(); "
+             "print(o.cpu_tag(), m.decode_gemm_block())")
+    out = subprocess.run([str(python), "-c", probe], cwd=ROOT, capture_output=True,
+                         text=True, timeout=240)
+    assert out.returncode == 0, out.stderr
+    tag, block = out.stdout.split()
+    assert tag == ops.cpu_tag() and int(block) == ops.cpu_ops().decode_gemm_block()
+    after = built.stat().st_mtime_ns, (build_dir / "build.ninja").stat().st_mtime_ns
+    assert after == before  # nothing rebuilt, not even the build file rewritten
 
 
 BIND_PROBE = """

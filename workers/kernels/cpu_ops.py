@@ -4,7 +4,9 @@ builds them ahead, so a first start does not wait on the compiler).
 
 Built with `-march=native` against the installed torch, so a build only runs on the CPU and
 torch it was built for: the cache folder is keyed by the CPU's model and flags and torch's
-version and folder. Not under `$TOKENFLOW_CACHE_DIR` (the presets' root): a build is the installed
+version and folder (links resolved). A finished build leaves a stamp naming its sources'
+digest and flags; a start that finds it imports the module directly (`_import_built`).
+Not under `$TOKENFLOW_CACHE_DIR` (the presets' root): a build is the installed
 code's, not a model's, and a per-run preset folder (the test suite's) must not recompile it.
 Where they cannot be built (no compiler, no ninja), `cpu_ops()` is None and the worker keeps
 the torch path; that is logged once.
@@ -17,6 +19,7 @@ from __future__ import annotations
 import fcntl
 import functools
 import hashlib
+import importlib.util
 import logging
 import sys
 from pathlib import Path
@@ -34,6 +37,8 @@ SOURCES = (Path(__file__).parent / "csrc" / "cpu_attention.cpp",
            Path(__file__).parent / "csrc" / "cpu_stack.cpp")
 # Included by the sources; copied beside their copies (ninja's depfiles rebuild on a change).
 HEADERS = (Path(__file__).parent / "csrc" / "cpu_vec.h",)
+CFLAGS = ("-O3", "-march=native", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
 
 
 @functools.cache
@@ -56,8 +61,9 @@ def cpu_tag() -> str:
     except OSError:
         text = ""
     lines = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
-    # The torch: its version and where it is (each venv's build names its own headers).
-    lines.append(f"torch {torch.__version__} {Path(torch.__file__).parent}")
+    # The torch: its version and where it is, links resolved (a venv reached through a link,
+    # as the README tests' scratch folders reach the checkout's, is the same torch).
+    lines.append(f"torch {torch.__version__} {Path(torch.__file__).resolve().parent}")
     return hashlib.sha256("\n".join(sorted(set(lines))).encode()).hexdigest()[:12]
 
 
@@ -77,19 +83,49 @@ def cpu_ops() -> ModuleType | None:
         # One builder at a time, by a lock the kernel drops when its holder dies. torch's own
         # lock is a file that a killed builder leaves behind (a worker killed mid-build),
         # and every later start then waits on it forever: under ours, it is stale.
+        name = f"tokenflow_cpu_ops_{tag}"
         with open(build_dir / "build.flock", "w") as held:
             fcntl.flock(held, fcntl.LOCK_EX)
             (build_dir / "lock").unlink(missing_ok=True)
+            built = build_dir / f"{name}.so"
+            stamp = build_dir / f"built-{build_key()}"
+            if stamp.exists() and built.exists():
+                return _import_built(name, built)
+            for old in build_dir.glob("built-*"):  # the .so is about to be another build's
+                old.unlink()
             for header in HEADERS:
                 _stable_copy(header, build_dir)
             sources = [_stable_copy(source, build_dir) for source in SOURCES]
-            return load(name=f"tokenflow_cpu_ops_{tag}", sources=[str(s) for s in sources],
-                        extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                        extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
-                        verbose=False)
+            module = load(name=name, sources=[str(s) for s in sources],
+                          extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
+                          build_directory=str(build_dir), verbose=False)
+            stamp.touch()
+            return module
     except Exception as err:  # any build failure means: the torch path
         log.warning("CPU kernels unavailable, decode attention stays on SDPA: %s", err)
         return None
+
+
+def build_key() -> str:
+    """The sources' digest and the compiler's flags: a build of other sources or flags is
+    not this one."""
+    flags = hashlib.sha256(" ".join((*CFLAGS, "|", *LDFLAGS)).encode()).hexdigest()[:8]
+    return f"{source_digest()}-{flags}"
+
+
+def _import_built(name: str, path: Path) -> ModuleType:
+    """The module a finished build left (its stamp names these sources and flags), imported
+    as torch's loader imports it, without the loader. Why: the loader rewrites the build
+    file with the include paths of the torch it runs from, and ninja rebuilds everything
+    when they change; a venv reached through a link (the README tests' scratch folders) and
+    the checkout's own then rebuilt the kernels each time the other had (60-90 s each on a
+    2-core Zen 3, past those tests' time limits). It also skips the loader's checks at every
+    start."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _stable_copy(source: Path, build_dir: Path) -> Path:
