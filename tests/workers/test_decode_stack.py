@@ -1,10 +1,11 @@
 """A decode-only step's layers in one C++ call (workers/decode_stack.py) against the Python
 layer loop on the same weights: bit-equal logits and the same greedy tokens over decode
-steps between chunked prefills; taken only where it applies; a bad slot fails the call
-before any KV row is written."""
+steps between chunked prefills, and through LocalEngine; taken only where it applies; a bad
+slot fails the call before any KV row is written."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -112,3 +113,28 @@ def test_a_slot_outside_the_cache_fails_before_any_kv_row_is_written(checkpoint)
         stack.forward(x, cos, sin, (table, lens, bad))
     after = [c for pair in worker.kv_caches for c in pair]
     assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+
+
+def test_an_engine_with_it_gives_the_loops_tokens_and_holds_no_block(checkpoint):
+    """LocalEngine (its own scheduler, decode bursts and chunked prompts) with the stack and
+    without: the same greedy outputs, and the pool whole afterwards."""
+    from cluster.config import TokenflowConfig
+    from cluster.engine import LocalEngine
+    from tests.workers.helpers import GREEDY
+
+    prompts = [random_ids(n, seed=950 + n) for n in (3, 50, 130, 70, 9)]
+    outputs = []
+    for on in (True, False):
+        config = TokenflowConfig(
+            worker={"model": str(checkpoint), "cpu_decode_stack": on,
+                    "cpu_packed_min_elements": 1, "cpu_packed_any_rows_elements": 1,
+                    "cpu_decode_gemm_max_rows": 8},
+            cache={"num_kv_blocks": 64, "block_size": 16},
+            scheduler={"max_num_batched_tokens": 48}, calibration={"auto": False})
+        engine = LocalEngine(config)
+        assert (engine.worker.model.decode_stack is not None) == on
+        params = dataclasses.replace(GREEDY, max_tokens=12)
+        outputs.append([c.output_token_ids for c in engine.generate(prompts, params)])
+        engine.check_integrity()
+    assert outputs[0] == outputs[1]
+    assert all(len(o) == 12 for o in outputs[0])
