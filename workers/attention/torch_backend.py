@@ -168,7 +168,7 @@ class TorchAttentionStep:
         is a decode that the C++ kernel attends (what workers/decode_stack.py runs), else
         None."""
         meta = self.meta
-        if self.decode_kernel is None or not meta.is_decode_only or not meta.num_seqs:
+        if self.decode_kernel is None or not meta.is_decode_only:
             return None
         return meta.block_table, meta.seq_lens, meta.slot_mapping
 

@@ -101,15 +101,20 @@ void decode_kv_head(const float* q, const T* k_cache, const T* v_cache,
   struct Walk {
     int64_t b, o;  // the key's block (table index) and row in it
   };
-  const int64_t ahead_bytes = ahead_heads * hd * static_cast<int64_t>(sizeof(T));
-  auto prefetch = [&](const T* cache, Walk& w) {
+  constexpr int64_t head_bytes = hd * static_cast<int64_t>(sizeof(T));
+  // `bytes` of the key's slot from head offset `off`, in the sequence of `tbl`; w moves on.
+  auto prefetch_rows = [&](const T* cache, const int64_t* tbl, int64_t off, int64_t bytes,
+                           Walk& w) {
     const char* p = reinterpret_cast<const char*>(
-        cache + (table[w.b] * block_size + w.o) * slot_stride + head_off);
-    for (int64_t line = 0; line < ahead_bytes; line += 64) __builtin_prefetch(p + line);
+        cache + (tbl[w.b] * block_size + w.o) * slot_stride + off);
+    for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(p + line);
     if (++w.o == block_size) {
       w.o = 0;
       ++w.b;
     }
+  };
+  auto prefetch = [&](const T* cache, Walk& w) {
+    prefetch_rows(cache, table, head_off, ahead_heads * head_bytes, w);
   };
   constexpr int64_t kPrefetchKeys = 2 * kWidth, kPrefetchValues = kWidth;
   Walk k_ahead{kPrefetchKeys / block_size, kPrefetchKeys % block_size}, v_first{0, 0};
@@ -179,17 +184,7 @@ void decode_kv_head(const float* q, const T* k_cache, const T* v_cache,
     for (int64_t j = 0, vb = 0, vo = 0; j < n; ++j) {
       const T* vrow = v_cache + (table[vb] * block_size + vo) * slot_stride + head_off;
       if (h0 == 0 && j + kPrefetchValues < n) prefetch(v_cache, v_ahead);
-      if (j < next_keys) {
-        const char* p = reinterpret_cast<const char*>(
-            k_cache + (next.table[n_ahead.b] * block_size + n_ahead.o) * slot_stride +
-            next.head_off);
-        for (int64_t line = 0; line < hd * static_cast<int64_t>(sizeof(T)); line += 64)
-          __builtin_prefetch(p + line);
-        if (++n_ahead.o == block_size) {
-          n_ahead.o = 0;
-          ++n_ahead.b;
-        }
-      }
+      if (j < next_keys) prefetch_rows(k_cache, next.table, next.head_off, head_bytes, n_ahead);
       vecf v[HDV];
       for (int c = 0; c < HDV; ++c) v[c] = load_kv(vrow + c * kWidth);
       for (int64_t h = 0; h < num_heads; ++h) {

@@ -51,12 +51,17 @@ class DecodeStack {
               double scale)
       : final_norm_(std::move(final_norm)), eps_(eps), num_heads_(num_heads),
         num_kv_heads_(num_kv_heads), head_dim_(head_dim), scale_(scale) {
+    TORCH_CHECK(!layers.empty(), "no layers");
     for (const auto& t : layers) {
       TORCH_CHECK(t.size() == 14, "a layer is 14 tensors");
+      // Every cache one shape: a slot valid in the first is valid in all (`forward`).
       TORCH_CHECK(t[12].is_contiguous() && t[13].is_contiguous() &&
                   t[12].scalar_type() == at::kFloat && t[13].scalar_type() == at::kFloat &&
+                  t[12].sizes() == layers[0][12].sizes() &&
+                  t[13].sizes() == layers[0][12].sizes() &&
                   t[12].size(2) == num_kv_heads && t[12].size(3) == head_dim,
-                  "the caches must be contiguous fp32 [blocks, block_size, Hkv, hd]");
+                  "the caches must be contiguous fp32 [blocks, block_size, Hkv, hd], all one "
+                  "shape");
       layers_.push_back(Layer{t[0], t[1], t[2], t[4], t[6], t[8], t[10], bias_of(t[3]),
                               bias_of(t[5]), bias_of(t[7]), bias_of(t[9]), bias_of(t[11]),
                               t[12], t[13]});
@@ -76,11 +81,10 @@ class DecodeStack {
     TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() &&
                 slots.numel() == rows, "slots: [T] int64");
     const int64_t* slot = slots.data_ptr<int64_t>();
-    for (const Layer& layer : layers_) {  // before any write: a bad slot fails the step whole
-      const int64_t num_slots = layer.k_cache.numel() / kv_cols;
-      for (int64_t r = 0; r < rows; ++r)
-        TORCH_CHECK(slot[r] >= 0 && slot[r] < num_slots, "slot ", slot[r], " out of the cache");
-    }
+    // Before any write: a bad slot fails the step whole (the caches share one shape).
+    const int64_t num_slots = layers_[0].k_cache.numel() / kv_cols;
+    for (int64_t r = 0; r < rows; ++r)
+      TORCH_CHECK(slot[r] >= 0 && slot[r] < num_slots, "slot ", slot[r], " out of the cache");
     std::optional<torch::Tensor> delta;  // the MLP output not yet added to x
     for (const Layer& layer : layers_) {
       auto h = add_rms_norm(x, delta, layer.input_norm, eps_);
