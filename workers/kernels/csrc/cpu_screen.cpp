@@ -165,13 +165,13 @@ constexpr int kScreenTileRows = 12;
 
 template <int rows>
 void screen_tile(const uint32_t* x, int64_t pairs, const uint32_t* w, uint16_t* y, int64_t n,
-                 const uint32_t* next) {
+                 const uint32_t* next, int64_t pp0, int64_t pp1) {
   __m512 acc[rows][2];
   for (int r = 0; r < rows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + p * kScreenBlock);
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + p * kScreenBlock + 16);
-    if (next != nullptr) {  // the next block's lines of this pair, into L2
+    if (next != nullptr && p >= pp0 && p < pp1) {  // the next block's lines of this pair
       __builtin_prefetch(next + p * kScreenBlock, 0, 2);
       __builtin_prefetch(next + p * kScreenBlock + 16, 0, 2);
     }
@@ -189,7 +189,7 @@ void screen_tile(const uint32_t* x, int64_t pairs, const uint32_t* w, uint16_t* 
 }
 
 using ScreenTileFn = void (*)(const uint32_t*, int64_t, const uint32_t*, uint16_t*, int64_t,
-                              const uint32_t*);
+                              const uint32_t*, int64_t, int64_t);
 
 template <int... R>
 constexpr std::array<ScreenTileFn, sizeof...(R)> screen_tiles_of(
@@ -234,10 +234,11 @@ torch::Tensor screen_gemm(torch::Tensor x, torch::Tensor packed) {
   const auto* wp = reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   for_each_row_tile(m, num_blocks, kScreenTileRows, [&](int64_t b, int64_t r0, int64_t rows,
-                                                        bool prefetch) {
+                                                        const Prefetch& p) {
     const uint32_t* w = wp + b * pairs * kScreenBlock;
     kScreenTiles[rows - 1](xp + r0 * pairs, pairs, w, yp + r0 * n + b * kScreenBlock, n,
-                           prefetch ? w + pairs * kScreenBlock : nullptr);
+                           p.block < 0 ? nullptr : wp + p.block * pairs * kScreenBlock,
+                           p.begin(pairs), p.end(pairs));
   });
 #endif
   return y;

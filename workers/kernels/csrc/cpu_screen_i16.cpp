@@ -42,13 +42,15 @@ inline void store_bf16x8(uint16_t* y, __m256 v) {
 // One tile of `rows` rows over one block. x: each row's int16 pairs as int32 words.
 template <int rows>
 void i16_tile(const int32_t* x, int64_t pairs, const int16_t* w, const float* x_scale,
-              const float* w_scale, uint16_t* y, int64_t n, const int16_t* next) {
+              const float* w_scale, uint16_t* y, int64_t n, const int16_t* next, int64_t pp0,
+              int64_t pp1) {
   __m256i acc[rows][2];
   for (int r = 0; r < rows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
   for (int64_t p = 0; p < pairs; ++p) {
     const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32));
     const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32 + 16));
-    if (next != nullptr) __builtin_prefetch(next + p * 32, 0, 2);  // one line a pair
+    if (next != nullptr && p >= pp0 && p < pp1)
+      __builtin_prefetch(next + p * 32, 0, 2);  // one line a pair
 #pragma GCC unroll 8
     for (int r = 0; r < rows; ++r) {
       const __m256i b = _mm256_set1_epi32(x[r * pairs + p]);
@@ -66,7 +68,7 @@ void i16_tile(const int32_t* x, int64_t pairs, const int16_t* w, const float* x_
 }
 
 using I16TileFn = void (*)(const int32_t*, int64_t, const int16_t*, const float*, const float*,
-                           uint16_t*, int64_t, const int16_t*);
+                           uint16_t*, int64_t, const int16_t*, int64_t, int64_t);
 
 template <int... R>
 constexpr std::array<I16TileFn, sizeof...(R)> i16_tiles_of(std::integer_sequence<int, R...>) {
@@ -141,10 +143,12 @@ std::tuple<torch::Tensor, torch::Tensor> screen_i16(torch::Tensor hidden, torch:
   auto* yp = reinterpret_cast<uint16_t*>(screened.data_ptr<at::BFloat16>());
   const int64_t pairs = k_len / 2;
   for_each_row_tile(m, num_blocks, kI16TileRows, [&](int64_t b, int64_t r0, int64_t rows,
-                                                     bool prefetch) {
+                                                     const Prefetch& pf) {
     const int16_t* w = wp + b * pairs * 32;
     kI16Tiles[rows - 1](xp + r0 * pairs, pairs, w, tp + r0, sp + b * 16,
-                        yp + r0 * n + b * 16, n, prefetch ? w + pairs * 32 : nullptr);
+                        yp + r0 * n + b * 16, n,
+                        pf.block < 0 ? nullptr : wp + pf.block * pairs * 32,
+                        pf.begin(pairs), pf.end(pairs));
   });
 #endif
   return {screened, dequantized};

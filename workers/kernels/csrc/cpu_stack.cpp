@@ -19,8 +19,8 @@ torch::Tensor add_rms_norm(torch::Tensor residual, c10::optional<torch::Tensor> 
 void rotary_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t num_heads,
              int64_t head_dim);
 torch::Tensor silu_mul_(torch::Tensor gate, torch::Tensor up);
-torch::Tensor decode_linear(torch::Tensor x, torch::Tensor packed,
-                            std::optional<torch::Tensor> bias);
+torch::Tensor decode_linear_then(torch::Tensor x, torch::Tensor packed,
+                                 std::optional<torch::Tensor> bias, const torch::Tensor* next);
 void decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
                       torch::Tensor v_cache, torch::Tensor block_table, torch::Tensor seq_lens,
                       double scale);
@@ -86,9 +86,14 @@ class DecodeStack {
     for (int64_t r = 0; r < rows; ++r)
       TORCH_CHECK(slot[r] >= 0 && slot[r] < num_slots, "slot ", slot[r], " out of the cache");
     std::optional<torch::Tensor> delta;  // the MLP output not yet added to x
-    for (const Layer& layer : layers_) {
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& layer = layers_[i];
+      // Each GEMM prefetches the first blocks of the one after it where only a short pass
+      // (a norm, SiLU) comes between; not across the attention, whose KV reads would evict
+      // them.
+      const torch::Tensor* next_qkv = i + 1 < layers_.size() ? &layers_[i + 1].qkv : nullptr;
       auto h = add_rms_norm(x, delta, layer.input_norm, eps_);
-      auto qkv = decode_linear(h, layer.qkv, layer.qkv_bias);  // [T, (H + 2 Hkv) hd]
+      auto qkv = decode_linear_then(h, layer.qkv, layer.qkv_bias, nullptr);  // [T, (H+2Hkv) hd]
       rotary_(qkv, cos, sin, num_heads_ + num_kv_heads_, hd);
       // K and V rows into the cache first: each row's attention reads its own key back.
       const int64_t width = qkv.size(1);
@@ -102,11 +107,11 @@ class DecodeStack {
       auto q = qkv.narrow(1, 0, q_cols).view({rows, num_heads_, hd});
       auto attn = torch::empty({rows, num_heads_, hd}, x.options());
       decode_attention(attn, q, layer.k_cache, layer.v_cache, block_table, seq_lens, scale_);
-      auto o = decode_linear(attn.view({rows, q_cols}), layer.o, layer.o_bias);
+      auto o = decode_linear_then(attn.view({rows, q_cols}), layer.o, layer.o_bias, &layer.gate);
       h = add_rms_norm(x, o, layer.post_norm, eps_);
-      auto gate = decode_linear(h, layer.gate, layer.gate_bias);
-      silu_mul_(gate, decode_linear(h, layer.up, layer.up_bias));
-      delta = decode_linear(gate, layer.down, layer.down_bias);
+      auto gate = decode_linear_then(h, layer.gate, layer.gate_bias, &layer.up);
+      silu_mul_(gate, decode_linear_then(h, layer.up, layer.up_bias, &layer.down));
+      delta = decode_linear_then(gate, layer.down, layer.down_bias, next_qkv);
     }
     return add_rms_norm(x, delta, final_norm_, eps_);
   }

@@ -140,20 +140,47 @@ inline vecf expv_clamped(vecf x) {
   return y * scale;
 }
 
+// What a tile of for_each_row_tile prefetches into L2 while it computes: part `part` of
+// `num_parts` of a block's k range (of `block` in this weight, or in the next GEMM's weight
+// where `next_weight`), none where block < 0.
+struct Prefetch {
+  int64_t block = -1;
+  bool next_weight = false;
+  int64_t part = 0, num_parts = 1;
+  // The first and past-the-last k (or k pair) of `len` this tile prefetches.
+  int64_t begin(int64_t len) const { return part * len / num_parts; }
+  int64_t end(int64_t len) const { return (part + 1) * len / num_parts; }
+};
+
+// The first block of `num_blocks` that at::parallel_for(0, num_blocks, 1, ...) gives torch's
+// thread `tid` (ATen's OpenMP split: even chunks in thread order), or -1 if it gets none.
+inline int64_t first_block_of(int64_t tid, int64_t num_blocks) {
+  const int64_t tasks = std::min<int64_t>(at::get_num_threads(), num_blocks);
+  if (tasks <= 0) return -1;
+  const int64_t chunk = (num_blocks + tasks - 1) / tasks;
+  return tid * chunk < num_blocks ? tid * chunk : -1;
+}
+
 // The walk of a GEMM over a weight packed in blocks of outputs (cpu_gemm.cpp's fp32 decode
 // GEMM, cpu_screen.cpp's bf16 screen): blocks shared out over torch's threads, in order within
 // each; a block's m rows in the fewest tiles of at most max_rows, as even as they go (a short
-// tail tile re-read its block from L2 for little work). run(block, first_row, rows,
-// prefetch_next): only a block's first tile prefetches the next block (the others read this
-// one from L2).
+// tail tile re-read its block from L2 for little work). run(block, first_row, rows, prefetch):
+// a block's tiles share out the prefetch of the thread's next block, so that memory streams
+// all through the block's compute. A thread's last block prefetches its first block of the
+// next GEMM (`next_num_blocks` > 0: the weight a caller runs next on these threads): that
+// block had waited on memory at the start of every GEMM.
 template <typename Run>
-void for_each_row_tile(int64_t m, int64_t num_blocks, int64_t max_rows, const Run& run) {
+void for_each_row_tile(int64_t m, int64_t num_blocks, int64_t max_rows, const Run& run,
+                       int64_t next_num_blocks = 0) {
   const int64_t num_tiles = (m + max_rows - 1) / max_rows;
   at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
+    const int64_t next_first =
+        next_num_blocks > 0 ? first_block_of(at::get_thread_num(), next_num_blocks) : -1;
     for (int64_t b = begin; b < end; ++b)
       for (int64_t t = 0; t < num_tiles; ++t) {
         const int64_t r0 = t * m / num_tiles;
-        run(b, r0, (t + 1) * m / num_tiles - r0, t == 0 && b + 1 < num_blocks);
+        Prefetch p{b + 1 < end ? b + 1 : next_first, b + 1 >= end, t, num_tiles};
+        run(b, r0, (t + 1) * m / num_tiles - r0, p);
       }
   });
 }
