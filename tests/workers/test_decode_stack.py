@@ -1,7 +1,8 @@
 """A decode-only step's layers in one C++ call (workers/decode_stack.py) against the Python
 layer loop on the same weights: bit-equal logits and the same greedy tokens over decode
-steps between chunked prefills, and through LocalEngine; taken only where it applies; a bad
-slot fails the call before any KV row is written."""
+steps between chunked prefills, and through LocalEngine; against transformers directly
+(its logits within the parity tests' tolerance, its greedy tokens); taken only where it
+applies; a bad slot fails the call before any KV row is written."""
 
 from __future__ import annotations
 
@@ -71,6 +72,44 @@ def test_the_stack_is_bit_equal_to_the_layer_loop(checkpoint):
     assert len(logits) == len(loop_logits)
     for got, want in zip(logits, loop_logits, strict=True):
         assert torch.equal(got, want)
+
+
+def test_the_stack_matches_transformers_generate(checkpoint):
+    """Three requests decoding together through the stack (every decode step one call):
+    each step's logits within test_hf_parity's tolerance of transformers' scores, and the
+    greedy tokens of `generate`, token for token."""
+    import transformers as tf
+
+    model = tf.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # full runs
+    worker = _worker(checkpoint)
+    stack = worker.model.decode_stack
+    assert stack is not None
+    calls: list[int] = []
+    forward = stack.forward
+    stack.forward = lambda x, *a: calls.append(x.shape[0]) or forward(x, *a)  # type: ignore
+    driver = Driver(worker)
+    prompts = {f"r{i}": random_ids(n, seed=970 + i) for i, n in enumerate((3, 40, 130))}
+    logits: dict[str, list[torch.Tensor]] = {rid: [] for rid in prompts}
+    for rid, prompt in prompts.items():
+        driver.add(rid, prompt)
+        driver.prefill(rid, chunk_len=64)
+        logits[rid].append(worker.span_logits[rid][-1])
+    num_decodes = 15
+    for _ in range(num_decodes):
+        driver.step(dict.fromkeys(prompts, 1))
+        for rid in prompts:
+            logits[rid].append(worker.span_logits[rid][-1])
+    assert calls == [3] * num_decodes
+    for rid, prompt in prompts.items():
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=num_decodes + 1, pad_token_id=0,
+                                 output_scores=True, return_dict_in_generate=True)
+        assert driver.tokens[rid][len(prompt):] == out.sequences[0, len(prompt):].tolist()
+        for got, want in zip(logits[rid], out.scores, strict=True):
+            torch.testing.assert_close(got, want[0].float(), atol=1e-4, rtol=0)
 
 
 def test_not_taken_past_its_rows_or_where_a_layer_lacks_its_decode_gemm(checkpoint):
