@@ -303,7 +303,8 @@ def settle(pids: list[int]) -> float:
     while time.perf_counter() - start < SETTLE_MAX_S:
         before = [tree_cpu_s(pid) for pid in pids]
         time.sleep(SETTLE_WINDOW_S)  # a measurement window, not synchronisation
-        used = max(tree_cpu_s(pid) - b for pid, b in zip(pids, before, strict=True))
+        used = max((tree_cpu_s(pid) - b for pid, b in zip(pids, before, strict=True)),
+                   default=0.0)  # no other engine: nothing to wait for
         if used < SETTLE_MAX_SHARE * SETTLE_WINDOW_S:
             break
     return time.perf_counter() - start
