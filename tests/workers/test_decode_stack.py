@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.workers.helpers import Driver, build_hf_checkpoint, random_ids
+from tests.workers.test_hf_parity import ATOL
 from workers.decode_stack import DecodeStack
 from workers.kernels.cpu_ops import cpu_ops
 from workers.sections import PackPolicy
@@ -42,6 +43,14 @@ def _worker(checkpoint: Path, **run: object) -> Worker:
                   run=RunOptions(packing=POLICY, **run))  # type: ignore[arg-type]
 
 
+def _count_calls(stack: DecodeStack) -> list[int]:
+    """The rows of each `stack.forward` call from now on (the list grows as it runs)."""
+    calls: list[int] = []
+    forward = stack.forward
+    stack.forward = lambda x, *a: calls.append(x.shape[0]) or forward(x, *a)  # type: ignore
+    return calls
+
+
 def _run(worker: Worker) -> tuple[dict[str, list[int]], list[torch.Tensor]]:
     driver = Driver(worker)
     for i, (rid, n) in enumerate(PROMPTS.items()):
@@ -59,9 +68,7 @@ def test_the_stack_is_bit_equal_to_the_layer_loop(checkpoint):
     worker = _worker(checkpoint)
     stack = worker.model.decode_stack
     assert isinstance(stack, DecodeStack) and stack.max_rows == 8
-    calls: list[int] = []
-    forward = stack.forward
-    stack.forward = lambda x, *a: calls.append(x.shape[0]) or forward(x, *a)  # type: ignore
+    calls = _count_calls(stack)
     tokens, logits = _run(worker)
     assert calls == [3] * 12  # the 12 decode-only steps, not the two with chunks
 
@@ -85,9 +92,7 @@ def test_the_stack_matches_transformers_generate(checkpoint):
     worker = _worker(checkpoint)
     stack = worker.model.decode_stack
     assert stack is not None
-    calls: list[int] = []
-    forward = stack.forward
-    stack.forward = lambda x, *a: calls.append(x.shape[0]) or forward(x, *a)  # type: ignore
+    calls = _count_calls(stack)
     driver = Driver(worker)
     prompts = {f"r{i}": random_ids(n, seed=970 + i) for i, n in enumerate((3, 40, 130))}
     logits: dict[str, list[torch.Tensor]] = {rid: [] for rid in prompts}
@@ -109,7 +114,7 @@ def test_the_stack_matches_transformers_generate(checkpoint):
                                  output_scores=True, return_dict_in_generate=True)
         assert driver.tokens[rid][len(prompt):] == out.sequences[0, len(prompt):].tolist()
         for got, want in zip(logits[rid], out.scores, strict=True):
-            torch.testing.assert_close(got, want[0].float(), atol=1e-4, rtol=0)
+            torch.testing.assert_close(got, want[0].float(), atol=ATOL, rtol=0)
 
 
 def test_not_taken_past_its_rows_or_where_a_layer_lacks_its_decode_gemm(checkpoint):

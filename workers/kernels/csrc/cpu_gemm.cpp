@@ -11,8 +11,9 @@
 // streaming while the tiles compute. In the decode stack a thread's last block prefetches
 // its first block of the next GEMM (`decode_linear_then`); with both, a 32-row step of
 // builtin:bench's layers on a 2-core Zen 4 went from 12.8 to 12.5 ms and its lm_head
-// screen from 3.4 to 3.3 ms (the weights cached: 7.0 ms for the layers' GEMMs, 8.4 cold). Sums run over k in order, one FMA per term (the
-// result differs from oneDNN's by summation order only, within fp32 rounding).
+// screen from 3.4 to 3.3 ms (with the weights cached the layers' GEMMs take 7.0 ms, 8.4
+// streamed). Sums run over k in order, one FMA per term (the result differs from oneDNN's
+// by summation order only, within fp32 rounding).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -95,8 +96,10 @@ torch::Tensor decode_linear_then(torch::Tensor x, torch::Tensor packed,
   const float* xp = x.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const bool has_next = next != nullptr && next->dim() == 3 && next->size(2) == kBlock &&
-                        next->scalar_type() == torch::kFloat32 && next->is_contiguous();
+  const bool has_next = next != nullptr;
+  TORCH_CHECK(!has_next || (next->dim() == 3 && next->size(2) == kBlock &&
+                            next->scalar_type() == torch::kFloat32 && next->is_contiguous()),
+              "next: a packed fp32 weight [N / block, K, block]");
   const float* np = has_next ? next->data_ptr<float>() : nullptr;
   const int64_t next_k = has_next ? next->size(1) : 0;
   for_each_row_tile(m, num_blocks, kTileRows, [&](int64_t b, int64_t r0, int64_t rows,
