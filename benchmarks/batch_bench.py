@@ -106,6 +106,14 @@ def run_local(jsonl: Path, folder: Path, model: str, name: str = "local",
     return summary_at(out + ".summary.json")
 
 
+# The last characters of a failed submission's output kept in its error.
+JOB_OUTPUT_TAIL = 4000
+
+
+class JobFailed(RuntimeError):
+    """A `ray job submit` that did not succeed; its message ends with the CLI's output."""
+
+
 class Head:
     """A Ray head of our own (`ray start --block`), stopped by pid."""
 
@@ -137,12 +145,17 @@ class Head:
         raise TimeoutError("Ray head did not come up")
 
     def submit(self, model: str, *args: str, env: dict[str, str] | None = None) -> None:
+        """Runs `python -m cluster.batch ARGS` as a job; JobFailed (with the CLI's output)
+        when the job or its submission fails."""
         runtime_env = json.dumps({"py_executable": PY, "env_vars": env or {}})
-        subprocess.run([RAY, "job", "submit", "--address",
-                        f"http://127.0.0.1:{self.dashboard}", "--working-dir", ".",
-                        "--runtime-env-json", runtime_env, "--", PY, "-m", "cluster.batch",
-                        *args, "--model", model], cwd=ROOT, env=self.env,
-                       check=True, capture_output=True, timeout=1800)
+        done = subprocess.run([RAY, "job", "submit", "--address",
+                               f"http://127.0.0.1:{self.dashboard}", "--working-dir", ".",
+                               "--runtime-env-json", runtime_env, "--", PY, "-m",
+                               "cluster.batch", *args, "--model", model], cwd=ROOT,
+                              env=self.env, capture_output=True, text=True, timeout=1800)
+        if done.returncode != 0:
+            raise JobFailed(f"ray job submit exited {done.returncode}:\n"
+                            f"{(done.stdout + done.stderr)[-JOB_OUTPUT_TAIL:]}")
 
     def stop(self) -> None:
         import psutil

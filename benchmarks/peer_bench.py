@@ -162,6 +162,8 @@ def batch_summary(results: list[dict[str, Any]], tokenflow: list[dict[str, Any]]
             for a, b in zip(results, tokenflow, strict=True)),
         "greedy_tokens_agreeing_with_tokenflow": _agreement(
             results[0]["first_output"], tokenflow[0]["first_output"]),
+        # Rounds retried on a fresh head (peer_offline.py's BatchRunner), with the output.
+        "head_failures": [f for r in results for f in r.get("head_failures", [])],
     }
 
 

@@ -10,7 +10,11 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import ClassVar
 
+import pytest
+
+import benchmarks.batch_bench as batch_bench
 from benchmarks.peer_bench import (
     OFFLINE,
     PY,
@@ -22,7 +26,7 @@ from benchmarks.peer_bench import (
     start_plan,
     targets,
 )
-from benchmarks.peer_offline import OUTPUT_LEN, batch_line, prompts
+from benchmarks.peer_offline import MAX_HEAD_RETRIES, OUTPUT_LEN, BatchRunner, batch_line, prompts
 from benchmarks.peer_roofline import roofline, workload_flops
 from benchmarks.peer_scene import (
     LONG_AT_USER_SHARE,
@@ -145,6 +149,56 @@ def test_batch_summary_and_ratio() -> None:
     add_ratios(out)
     assert out["ratio_vs_vllm_compiled"] == 0.6 and out["batch_ratio_vs_vllm_compiled"] == 0.9
     assert out["startup_ratio_vs_vllm_compiled"] == 0.1
+
+
+class FakeHead:
+    """Stands in for a Ray head (benchmarks/batch_bench.py's Head) whose first `fail`
+    instances fail their submission as a head whose port was taken does; the others answer
+    the batch file they are sent as the job would. Class state: every head made."""
+
+    made: ClassVar[list[FakeHead]] = []
+    fail: ClassVar[int] = 0
+
+    def __init__(self) -> None:
+        self.submitted: list[tuple[str, ...]] = []
+        self.stopped = False
+        FakeHead.made.append(self)
+
+    def submit(self, model: str, *args: str, env: dict[str, str] | None = None) -> None:
+        assert not self.stopped and env == {"TOKENFLOW_WORKER__DTYPE": "float32"}
+        self.submitted.append(args)
+        if len(FakeHead.made) <= FakeHead.fail:
+            raise batch_bench.JobFailed("ray job submit exited 1:\nagent port failed to bind")
+        inp, out = Path(args[args.index("-i") + 1]), args[args.index("-o") + 1]
+        lines = [json.loads(line) for line in inp.read_text().splitlines()]
+        Path(out).write_text("".join(json.dumps(
+            {"custom_id": r["custom_id"], "response": {"body": {"choices": [
+                {"token_ids": [int(r["custom_id"])] * 2}]}}}) + "\n" for r in lines))
+        Path(f"{out}.summary.json").write_text(json.dumps({"tokens_per_s_generating": 9.0}))
+
+    def stop(self) -> None:
+        assert not self.stopped
+        self.stopped = True
+
+
+def test_a_batch_round_retries_a_failed_head_once(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(batch_bench, "Head", FakeHead)
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 1000}))
+    monkeypatch.setattr("workers.presets.resolve_model", lambda model: tmp_path)
+    runner = BatchRunner("tiny", "float32")
+    batch = prompts(1000)[:3]
+    FakeHead.made, FakeHead.fail = [], 1
+    assert runner.run(batch) == [[0, 0], [1, 1], [2, 2]]
+    assert len(FakeHead.made) == 2 and all(h.stopped for h in FakeHead.made)
+    assert [len(h.submitted) for h in FakeHead.made] == [1, 1]
+    assert len(runner.last["head_failures"]) == 1
+    assert "failed to bind" in runner.last["head_failures"][0]
+    # More failed heads than the retries allow: the round fails, each head stopped.
+    FakeHead.made, FakeHead.fail = [], MAX_HEAD_RETRIES + 1
+    with pytest.raises(batch_bench.JobFailed, match="failed to bind"):
+        runner.run(batch)
+    assert len(FakeHead.made) == MAX_HEAD_RETRIES + 1
+    assert all(h.stopped for h in FakeHead.made)
 
 
 def test_agreement_counts_the_leading_equal_tokens() -> None:
