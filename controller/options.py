@@ -73,7 +73,8 @@ class WorkerConfig:
         "Rows from which a packed layer calls its packed copy; fewer rows take the plain "
         "GEMM, whose call overhead is lower."))
     cpu_packed_min_elements: int = setting(1 << 17, ge=1, description=(
-        "Weights smaller than this (elements) are never packed."))
+        "Weights smaller than this (elements) get no oneDNN-packed copy (the C++ decode "
+        "GEMM's copy, `cpu_decode_gemm_max_rows`, still applies)."))
     cpu_packed_any_rows_elements: int = setting(1 << 20, ge=1, description=(
         "Weights of at least this many elements use the packed copy for any row count."))
     cpu_decode_gemm_max_rows: int = setting(64, ge=0, description=(
@@ -81,9 +82,10 @@ class WorkerConfig:
         "to this many rows (a decode step, a few decodes beside a short chunk) runs the "
         "C++ GEMM (workers/kernels/csrc/cpu_gemm.cpp), which prefetches the next block of "
         "the weight while it computes one: 1.3-1.6x oneDNN's packed kernel at 1-32 rows on "
-        "an AVX-512 Xeon, even at 96, behind it from 128. Only where the build has AVX-512 "
-        "(not yet measured on AVX2: oneDNN's there). Costs another copy of the packed "
-        "weights; 0: never (oneDNN's kernel or the plain GEMM)."))
+        "an AVX-512 Xeon, even at 96, behind it from 128; on AVX2 with FMA (a Zen 3) "
+        "1.2-1.4x at 8-64 rows. Only where the build has AVX-512 or AVX2 with FMA "
+        "(oneDNN's elsewhere). Costs another copy of the layer weights; 0: never (oneDNN's "
+        "kernel or the plain GEMM)."))
     cpu_fused_layers: bool = setting(True, description=(
         "On a CPU fp32 or bf16 worker whose C++ kernels build, the residual add + RMSNorm, "
         "rotary and SiLU-and-mul run as one C++ pass each (workers/kernels/csrc/cpu_layers.cpp) "

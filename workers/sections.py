@@ -13,7 +13,7 @@ class PackPolicy:
     call uses the packed copy (the `worker.cpu_packed_*` fields; workers/models/packed.py)."""
 
     min_rows: int = 8  # below, the plain GEMM: the packed call's overhead dominates
-    min_elements: int = 1 << 17  # smaller weights stay plain at any row count
+    min_elements: int = 1 << 17  # smaller weights: no oneDNN copy (the decode GEMM's still)
     any_rows_elements: int = 1 << 20  # from this size packed even for one row
     decode_max_rows: int = 64  # fp32, up to this many rows: the C++ decode GEMM (0: never)
 

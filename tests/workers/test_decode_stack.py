@@ -39,8 +39,9 @@ def checkpoint(tmp_path_factory) -> Path:
 
 
 def _worker(checkpoint: Path, **run: object) -> Worker:
+    run = {"packing": POLICY, **run}
     return Worker(str(checkpoint), num_kv_blocks=64, block_size=16, keep_logits=True,
-                  run=RunOptions(packing=POLICY, **run))  # type: ignore[arg-type]
+                  run=RunOptions(**run))  # type: ignore[arg-type]
 
 
 def _count_calls(stack: DecodeStack) -> list[int]:
@@ -79,6 +80,26 @@ def test_the_stack_is_bit_equal_to_the_layer_loop(checkpoint):
     assert len(logits) == len(loop_logits)
     for got, want in zip(logits, loop_logits, strict=True):
         assert torch.equal(got, want)
+
+
+def test_layers_too_small_for_onednn_still_get_the_stack(checkpoint):
+    """No weight large enough for oneDNN's copy (builtin:small's o_proj is not): every
+    linear keeps its decode GEMM copy, so the stack runs the decode-only steps, bit-equal
+    to the loop over the same copies and with the tokens of plain GEMMs."""
+    small = dataclasses.replace(POLICY, min_elements=1 << 30, any_rows_elements=1 << 30)
+    worker = _worker(checkpoint, packing=small)
+    layer = worker.model.model.layers[0]
+    assert layer.self_attn.o_proj.packed is None and layer.mlp.down_proj.packed is None
+    stack = worker.model.decode_stack
+    assert isinstance(stack, DecodeStack)
+    calls = _count_calls(stack)
+    tokens, logits = _run(worker)
+    assert calls == [3] * 12
+    loop_tokens, loop_logits = _run(_worker(checkpoint, packing=small, decode_stack=False))
+    assert tokens == loop_tokens
+    assert all(torch.equal(a, b) for a, b in zip(logits, loop_logits, strict=True))
+    plain_tokens, _ = _run(_worker(checkpoint, packing=None))
+    assert tokens == plain_tokens
 
 
 def test_the_stack_matches_transformers_generate(checkpoint):

@@ -96,6 +96,30 @@ def test_no_decode_gemm_where_the_outputs_are_not_whole_blocks(
     assert maybe_pack(_linear(64, 3 * block), policy).decode_packed is None  # not here
 
 
+@needs_kernels
+@pytest.mark.parametrize("num_rows", [1, 7, 8, 9, 40])
+def test_a_weight_too_small_for_onednn_keeps_only_the_decode_gemm(
+        num_rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under `min_elements` no oneDNN copy is made (its call never runs), but the decode
+    GEMM's is, so a model of small layers still gets the decode stack; past its rows the
+    plain GEMM."""
+    monkeypatch.setattr("workers.models.packed.decode_gemm_preferred", lambda ops: True)
+    policy = dataclasses.replace(POLICY, min_elements=1 << 20, decode_max_rows=8)
+    block = cpu_ops().decode_gemm_block()
+    linear = _linear(48, 2 * block)
+    small = maybe_pack(linear, policy)
+    assert isinstance(small, PackedLinear)
+    assert small.packed is None and small.decode_packed is not None
+    onednn: list[int] = []
+    monkeypatch.setattr("workers.models.packed._packed_op",
+                        lambda *args: onednn.append(1))  # type: ignore[func-returns-value]
+    x = torch.randn(num_rows, 48)
+    torch.testing.assert_close(small(x), linear(x), rtol=1e-5, atol=1e-5)
+    assert not onednn
+    odd = _linear(48, 2 * block + 4)  # no decode copy either: stays an nn.Linear
+    assert maybe_pack(odd, policy) is odd
+
+
 def _num_packed(engine: LocalEngine) -> int:
     return sum(isinstance(m, PackedLinear) for m in engine.worker.model.modules())
 
