@@ -56,6 +56,7 @@ VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2",
             "VLLM_NO_USAGE_STATS": "1"}
 MODELS = ("builtin:bench", "builtin:small")
 WARMUP_SEED = 10_000  # the untimed rounds' prompts: no timed round (seed = its index) shares them
+PROFILE_SEED = 20_000  # the profile's prompts (it uses this seed and the next): none of a round
 
 
 def free_port() -> int:
@@ -243,7 +244,8 @@ def run_offline(model: str, rounds: int, vllm_python: str, log_dir: Path,
         add_ratios(out)
         if profile:
             print(f"[offline {tag}] profiling tokenflow", flush=True)
-            out["tokenflow_profile"] = engines["tokenflow"].command("profile", "profile")
+            out["tokenflow_profile"] = engines["tokenflow"].command(f"profile {PROFILE_SEED}",
+                                                                     "profile")
             out["roofline"] = roofline(out["tokenflow_profile"].pop("gemm"),
                                        workload_flops(folder), out["engines"])
         assert cached_start is not None

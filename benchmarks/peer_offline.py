@@ -67,12 +67,12 @@ class TokenflowRunner:
     def run(self, batch: list[list[int]]) -> list[list[int]]:
         return [c.output_token_ids for c in self.engine.generate(batch, self.params)]
 
-    def profile(self, batch: list[list[int]]) -> dict[str, Any]:
+    def profile(self, batch: list[list[int]], fresh: list[list[int]]) -> dict[str, Any]:
         from benchmarks.peer_profile import offline_breakdown
         from benchmarks.peer_roofline import measure_gemms
 
         # The GEMM rates in this process: the engine's torch threads, the same load.
-        return {**offline_breakdown(self.engine, batch, self.params),
+        return {**offline_breakdown(self.engine, batch, fresh, self.params),
                 "gemm": measure_gemms(self.folder)}
 
 
@@ -182,8 +182,9 @@ def main() -> None:
             tok_s = extra["job"]["tokens_per_s_generating"] if extra else num / wall
             emit(event="round", wall_s=wall, output_tokens=num, tok_s=tok_s,
                  first_output=outputs[0], outputs_digest=digest(outputs), **extra)
-        elif command == "profile":
-            emit(event="profile", **runner.profile(batch))
+        elif command == "profile":  # `profile SEED`: prompts no round saw, and SEED + 1's
+            emit(event="profile",
+                 **runner.profile(batch, prompts(runner.vocab_size, int(arg or 0) + 1)))
         elif command == "quit":
             break
 

@@ -12,6 +12,9 @@ from typing import Any
 
 # Operator name fragments -> group; first match wins (aten::linear's children are the mms).
 OP_GROUPS = (
+    # A decode-only step's layers in one C++ call (workers/decode_stack.py): its GEMMs,
+    # attention and elementwise passes, which the profiler cannot see one by one.
+    ("decode_stack", ("tokenflow::decode_stack",)),
     ("attention", ("scaled_dot_product", "_flash_attention", "_scaled_dot",
                    "tokenflow::decode_attention", "tokenflow::chunk_attention")),
     ("kv_read_write", ("index_select", "index_copy")),
@@ -82,20 +85,26 @@ def op_breakdown(run_steps: Any, num_steps: int) -> dict[str, Any]:
             "outside_ops_share": max(wall - ops_s, 0.0) / wall}
 
 
-def offline_breakdown(engine: Any, batch: list[list[int]], params: Any) -> dict[str, Any]:
+def offline_breakdown(engine: Any, batch: list[list[int]], fresh: list[list[int]],
+                      params: Any) -> dict[str, Any]:
     """The offline run once more with the step log on, then a profiled prefill-heavy and a
-    decode-heavy stretch."""
+    decode-heavy stretch on `fresh` prompts: `batch`'s would be prefix-cache hits there,
+    their prefill skipped."""
     engine.keep_step_log, engine.step_log = True, []
     engine.generate(batch, params)
     shapes = step_shapes(engine.step_log, engine.scheduler.itl_slo_s)
     engine.keep_step_log, engine.step_log = False, []
-    ids = [engine.add_request(p, params) for p in batch]
+    ids = [engine.add_request(p, params) for p in fresh]
 
     def run_steps(n: int) -> None:
         for _ in range(n):
             engine.step()
 
+    engine.keep_step_log = True
     prefill = op_breakdown(run_steps, 4)  # the first steps: the prompts' chunks
+    prefill["prefill_tokens"] = sum(n for plan, _ in engine.step_log
+                                    for n in plan.num_scheduled_tokens.values() if n > 1)
+    engine.keep_step_log, engine.step_log = False, []
     run_steps(8)
     decode = op_breakdown(run_steps, 8)
     for rid in ids:
