@@ -552,7 +552,9 @@ def profile_step(engine: BenchEngine, top: int) -> dict[str, Any]:
         engine.step()
         wall_s = time.perf_counter() - start
     averages = prof.key_averages()
-    ops = [e for e in averages if e.key.startswith(("aten::", "mkldnn::", "triton"))]
+    # tokenflow's own: its kernels' ops and named ranges (the CPU decode stack's one call).
+    ops = [e for e in averages
+           if e.key.startswith(("aten::", "mkldnn::", "triton", "tokenflow::"))]
 
     def device_us(e: Any) -> float:
         return float(getattr(e, "self_device_time_total", 0.0) or 0.0)
