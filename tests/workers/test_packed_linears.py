@@ -120,6 +120,23 @@ def test_a_weight_too_small_for_onednn_keeps_only_the_decode_gemm(
     assert maybe_pack(odd, policy) is odd
 
 
+@needs_kernels
+def test_a_failed_onednn_copy_keeps_the_decode_gemm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A weight large enough for oneDNN whose copy fails (a torch build without the op)
+    still gets the decode GEMM's copy: the two are decided apart."""
+    monkeypatch.setattr("workers.models.packed.decode_gemm_preferred", lambda ops: True)
+    monkeypatch.setattr("workers.models.packed.pack_weight", lambda weight: None)
+    policy = dataclasses.replace(POLICY, decode_max_rows=8)
+    block = cpu_ops().decode_gemm_block()
+    linear = _linear(64, 2 * block)
+    large = maybe_pack(linear, policy)
+    assert isinstance(large, PackedLinear)
+    assert large.packed is None and large.decode_packed is not None
+    x = torch.randn(5, 64)
+    torch.testing.assert_close(large(x), linear(x), rtol=1e-5, atol=1e-5)
+    assert maybe_pack(linear, POLICY) is linear  # neither copy: the plain layer
+
+
 def _num_packed(engine: LocalEngine) -> int:
     return sum(isinstance(m, PackedLinear) for m in engine.worker.model.modules())
 

@@ -80,24 +80,19 @@ class PackedLinear(nn.Module):
 
 
 def maybe_pack(linear: nn.Linear, policy: PackPolicy) -> nn.Module:
-    """`linear` as a `PackedLinear` where the policy and the build allow, else itself. A
-    weight under `policy.min_elements` gets no oneDNN copy, only the decode GEMM's where
-    that applies."""
+    """`linear` as a `PackedLinear` where the policy and the build give it a packed copy,
+    else itself. The two copies are decided apart: a weight under `policy.min_elements`
+    gets no oneDNN copy, and one whose oneDNN copy fails keeps the decode GEMM's."""
+    # Without a decode copy of every layer the decode stack is off for the whole model:
+    # builtin:small's o_proj (256 x 256) had kept its 4 layers in the Python loop; with the
+    # stack its decode iterations ran 2-11 % faster on a 2-core Zen 3.
+    decode_packed, decode_max_rows = _decode_packed(linear.weight, policy)
     numel = linear.weight.numel()
-    if numel < policy.min_elements:
-        # No oneDNN copy, but still the decode GEMM's: without it the decode stack (which
-        # needs every layer's) is off for the whole model. builtin:small's o_proj (256 x 256)
-        # had kept its 4 layers in the Python loop: with the stack, its decode iterations
-        # ran 2-11 % faster on a 2-core Zen 3 (3 interleaved pairs of processes).
-        decode_packed, decode_max_rows = _decode_packed(linear.weight, policy)
-        if decode_packed is None:
-            return linear
-        return PackedLinear(linear, None, 1, decode_packed, decode_max_rows)
-    packed = pack_weight(linear.weight)
-    if packed is None:
+    packed = pack_weight(linear.weight) if numel >= policy.min_elements else None
+    if packed is None and decode_packed is None:
         return linear
     min_rows = 1 if numel >= policy.any_rows_elements else policy.min_rows
-    return PackedLinear(linear, packed, min_rows, *_decode_packed(linear.weight, policy))
+    return PackedLinear(linear, packed, min_rows, decode_packed, decode_max_rows)
 
 
 def decode_gemm_preferred(ops: ModuleType) -> bool:
