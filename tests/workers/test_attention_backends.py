@@ -184,7 +184,8 @@ def test_cpu_decode_kernel_matches_reference(num_heads, num_kv_heads, head_dim, 
     and 8 registers (the register-blocked fp32 path) and sizes it leaves to the generic
     loop; blocks smaller and larger than a tile of keys; contexts around the tile's edges;
     one row (a KV head per thread) and many (a row per thread); GQA groups of 4, 3 and 1,
-    and of 8 (more query heads than one pass of its p @ V loop holds: 3 at head_dim 128)."""
+    and of 8 (more query heads than one pass of its p @ V loop holds: 6); a last tile of
+    keys partly padding (its lanes masked) at every length not a multiple of the tile."""
     case = make_case([(n, 1) for n in lengths], num_heads=num_heads,
                      num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
                      seed=5)

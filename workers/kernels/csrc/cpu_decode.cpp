@@ -9,10 +9,18 @@
 // at ~19 GB/s. Here a tile of W keys (W = floats per register) gives each query head W
 // vectors of partial sums, reduced together by log2(W) levels of two-register shuffles into
 // one register of W scores; p @ V accumulates in registers.
+//
+// On a 2-core Zen 3 (AVX2), 32 rows x 160 keys of builtin:bench's heads with the cache in
+// L3, a layer took 0.34 ms on both threads (0.51 on one) before three changes: p @ V in
+// passes whose accumulators fit the 16 registers, the softmax's max by lanes, the padding
+// lanes masked by one compare (and no repeated prefetch by a row's later KV heads); after,
+// 0.17-0.28 ms (0.33-0.34 on one). In the decode stack, with the KV read from memory, the
+// difference was within the VM's noise (3 interleaved pairs of processes).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -81,6 +89,123 @@ struct NextHead {
   int64_t n, head_off;
 };
 
+// Each lane's index.
+template <std::size_t... I>
+constexpr veci lanes_of(std::index_sequence<I...>) {
+  return veci{static_cast<int32_t>(I)...};
+}
+constexpr veci kLanes = lanes_of(std::make_index_sequence<kWidth>{});
+
+// Key j's row of a KV head into cache ahead of use: a sequence's rows are blocks scattered
+// over the pool, which the hardware prefetcher does not follow (the K walk looks
+// kPrefetchKeys keys ahead, then at the first V rows; the V walk kPrefetchValues). Read from
+// memory (8 layers, 32 rows x 160 keys) the kernel ran at ~10 GB/s of the ~35 a plain read
+// gets; offline builtin:bench gained ~2.5 % (2 of 3 interleaved pairs). Each prefetch stream
+// walks its keys' (block, row) as the loads do, without division. Into L2, not L1
+// (prefetcht1): the L1 requests held the core's few miss buffers while its loads waited; in
+// the decode stack on a 2-core Zen 4 the layers' attention of a 32-row step went from ~2.9
+// to ~2.1 ms (interleaved in one process).
+constexpr int64_t kPrefetchKeys = 2 * kWidth, kPrefetchValues = kWidth;
+
+struct Walk {
+  int64_t b, o;  // the key's block (table index) and row in it
+};
+
+// `bytes` of key w's slot from head offset `off`, in the sequence of `table`; w moves on.
+template <typename T>
+inline void prefetch_rows(const T* cache, const int64_t* table, int64_t block_size,
+                          int64_t slot_stride, int64_t off, int64_t bytes, Walk& w) {
+  const char* p =
+      reinterpret_cast<const char*>(cache + (table[w.b] * block_size + w.o) * slot_stride + off);
+  for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(p + line, 0, 2);
+  if (++w.o == block_size) {
+    w.o = 0;
+    ++w.b;
+  }
+}
+
+// The registers of a p @ V pass (`pv_pass`): NH x kPvVecs accumulators, kPvVecs values and a
+// broadcast within the build's vector registers less one, at most kPvHeads heads. With AVX2
+// (16 registers) and head_dim 64, one pass over a row's whole hd held 8 accumulators a
+// head, and 3 heads' 24 spilled to the stack: each FMA a load and a store (on a 2-core Zen
+// 3, 32 rows x 160 keys, ~65 ns a key and KV head a thread, cached or not). Passes of 2
+// registers of hd keep 6 heads' accumulators in registers; AVX-512 at head_dim 64 keeps
+// its one pass of 6 heads.
+constexpr int64_t kVecRegs = kWidth == 16 ? 32 : 16;
+template <int HDV>
+constexpr int64_t pv_vecs() {
+  for (int64_t cv = HDV; cv > 1; cv /= 2)
+    if ((kVecRegs - 2 - cv) / cv >= 4) return cv;  // 4 heads a pass, where hd allows
+  return 1;
+}
+template <int HDV>
+constexpr int64_t kPvVecs = pv_vecs<HDV>();
+template <int HDV>
+constexpr int64_t kPvHeads = std::max<int64_t>((kVecRegs - 2 - kPvVecs<HDV>) / kPvVecs<HDV>, 1);
+
+// Where a pass reads and writes: the KV head's V rows (its table, n keys, head offset), the
+// probabilities of its first query head (rows n_pad apart) and its output (rows hd apart),
+// both from the pass's first head; c0: the pass's first register of hd.
+template <typename T>
+struct PvArgs {
+  const T* v_cache;
+  const int64_t* table;
+  int64_t n, n_pad, block_size, slot_stride, head_off;
+  const float* scores;
+  float* out;
+  int64_t c0;
+};
+
+// One p @ V pass: NH query heads over registers [c0, c0 + kPvVecs) of hd. Each output's sum
+// runs over the keys in order (one FMA a key), whatever the passes. `first`: the pass that
+// prefetches V ahead of its loads, and the next head's first K rows (`next`).
+template <int HDV, typename T, int NH>
+void pv_pass(const PvArgs<T>& a, bool first, NextHead next, const T* k_cache,
+             int64_t ahead_heads) {
+  constexpr int64_t hd = HDV * kWidth, cv = kPvVecs<HDV>;
+  constexpr int64_t head_bytes = hd * static_cast<int64_t>(sizeof(T));
+  vecf acc[NH][cv] = {};
+  Walk v_ahead{kPrefetchValues / a.block_size, kPrefetchValues % a.block_size}, n_ahead{0, 0};
+  // The next head's first kPrefetchKeys K rows, one a key (its own walk prefetches the
+  // rest from key kPrefetchKeys on): each (row, head) had started with ~32 keys read at
+  // memory latency, ~20 % of a 160-key context.
+  const int64_t next_keys = next.table == nullptr || !first ? 0 : std::min(kPrefetchKeys, next.n);
+  const T* base = a.v_cache + a.head_off + a.c0 * kWidth;
+  for (int64_t j = 0, vb = 0, vo = 0; j < a.n; ++j) {
+    const T* vrow = base + (a.table[vb] * a.block_size + vo) * a.slot_stride;
+    if (first && j + kPrefetchValues < a.n)
+      prefetch_rows(a.v_cache, a.table, a.block_size, a.slot_stride, a.head_off,
+                    ahead_heads * head_bytes, v_ahead);
+    if (j < next_keys)
+      prefetch_rows(k_cache, next.table, a.block_size, a.slot_stride, next.head_off,
+                    head_bytes, n_ahead);
+    vecf v[cv];
+    for (int c = 0; c < cv; ++c) v[c] = load_kv(vrow + c * kWidth);
+    for (int h = 0; h < NH; ++h) {
+      const float p = a.scores[h * a.n_pad + j];
+      for (int c = 0; c < cv; ++c) acc[h][c] += p * v[c];
+    }
+    if (++vo == a.block_size) {
+      vo = 0;
+      ++vb;
+    }
+  }
+  for (int h = 0; h < NH; ++h)
+    std::memcpy(a.out + h * hd + a.c0 * kWidth, acc[h], sizeof(acc[h]));
+}
+
+template <int HDV, typename T>
+using PvPass = void (*)(const PvArgs<T>&, bool, NextHead, const T*, int64_t);
+template <int HDV, typename T, int... R>
+constexpr std::array<PvPass<HDV, T>, sizeof...(R)> pv_passes_of(
+    std::integer_sequence<int, R...>) {
+  return {&pv_pass<HDV, T, R + 1>...};
+}
+// kPvPasses<HDV, T>[h - 1]: the pass of h heads.
+template <int HDV, typename T>
+constexpr auto kPvPasses =
+    pv_passes_of<HDV, T>(std::make_integer_sequence<int, static_cast<int>(kPvHeads<HDV>)>{});
+
 // Query head rows `q` [group][HDV * kWidth] of one KV head against its n keys -> out [group][hd].
 // `scores`: the caller's buffer of group * round_up(n, kWidth) floats. `ahead_heads`: how
 // many KV heads' rows (this one's and the next ones', adjacent in a slot) its walks prefetch.
@@ -90,36 +215,12 @@ void decode_kv_head(const float* q, const T* k_cache, const T* v_cache,
                     int64_t slot_stride, int64_t head_off, float scale, float* scores,
                     float* out, NextHead next, int64_t ahead_heads) {
   constexpr int64_t hd = HDV * kWidth;
+  constexpr int64_t head_bytes = hd * static_cast<int64_t>(sizeof(T));
   const int64_t n_pad = (n + kWidth - 1) / kWidth * kWidth;
   const T* rows[kWidth];
-  // Key j's row of this KV head into cache ahead of use: a sequence's rows are blocks
-  // scattered over the pool, which the hardware prefetcher does not follow (the K walk
-  // looks kPrefetchKeys keys ahead, then at the first V rows; the V walk kPrefetchValues).
-  // Read from memory (8 layers, 32 rows x 160 keys) the kernel ran at ~10 GB/s of the ~35
-  // a plain read gets; offline builtin:bench gained ~2.5 % (2 of 3 interleaved pairs).
-  // Each prefetch stream walks its keys' (block, row) as the loads do, without division.
-  // Into L2, not L1 (prefetcht1): the L1 requests held the core's few miss buffers while
-  // its loads waited; in the decode stack on a 2-core Zen 4 the layers' attention of a
-  // 32-row step went from ~2.9 to ~2.1 ms (interleaved in one process).
-  struct Walk {
-    int64_t b, o;  // the key's block (table index) and row in it
-  };
-  constexpr int64_t head_bytes = hd * static_cast<int64_t>(sizeof(T));
-  // `bytes` of the key's slot from head offset `off`, in the sequence of `tbl`; w moves on.
-  auto prefetch_rows = [&](const T* cache, const int64_t* tbl, int64_t off, int64_t bytes,
-                           Walk& w) {
-    const char* p = reinterpret_cast<const char*>(
-        cache + (tbl[w.b] * block_size + w.o) * slot_stride + off);
-    for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(p + line, 0, 2);
-    if (++w.o == block_size) {
-      w.o = 0;
-      ++w.b;
-    }
-  };
   auto prefetch = [&](const T* cache, Walk& w) {
-    prefetch_rows(cache, table, head_off, ahead_heads * head_bytes, w);
+    prefetch_rows(cache, table, block_size, slot_stride, head_off, ahead_heads * head_bytes, w);
   };
-  constexpr int64_t kPrefetchKeys = 2 * kWidth, kPrefetchValues = kWidth;
   Walk k_ahead{kPrefetchKeys / block_size, kPrefetchKeys % block_size}, v_first{0, 0};
   int64_t b = 0, o = 0;  // key j's block (table index) and row in it, walked without division
   for (int64_t j0 = 0; j0 < n; j0 += kWidth) {
@@ -152,13 +253,24 @@ void decode_kv_head(const float* q, const T* k_cache, const T* v_cache,
   }
   for (int64_t h = 0; h < group; ++h) {
     float* row = scores + h * n_pad;
+    // The max lane-wise, then across the lanes (exact in any order; NaNs skipped as by
+    // std::max): one scalar max a key was a chain of its latency, ~14 % of the kernel.
+    const vecf lowest = vecf{} - std::numeric_limits<float>::infinity();
+    vecf peaks = lowest;
+    int64_t j = 0;
+    for (; j + kWidth <= n; j += kWidth) {
+      const vecf x = loadv(row + j);
+      peaks = peaks < x ? x : peaks;
+    }
     float peak = -std::numeric_limits<float>::infinity();
-    for (int64_t j = 0; j < n; ++j) peak = std::max(peak, row[j]);
+    for (int k = 0; k < kWidth; ++k) peak = std::max(peak, peaks[k]);
+    for (; j < n; ++j) peak = std::max(peak, row[j]);
     vecf total = {};
     for (int64_t j0 = 0; j0 < n_pad; j0 += kWidth) {
       vecf e = expv_clamped<true>(loadv(row + j0) - peak);
-      for (int k = 0; k < kWidth; ++k)
-        if (j0 + k >= n) e[k] = 0.f;  // the padding keys
+      // The padding keys of the last tile to 0, by one compare (a lane at a time it was
+      // ~20 % of the kernel at 160 keys on a Zen 3).
+      if (j0 + kWidth > n) e = kLanes < veci{} + static_cast<int32_t>(n - j0) ? e : vecf{};
       std::memcpy(row + j0, &e, sizeof(e));
       total += e;
     }
@@ -170,38 +282,17 @@ void decode_kv_head(const float* q, const T* k_cache, const T* v_cache,
       std::memcpy(row + j0, &e, sizeof(e));
     }
   }
-  // p @ V with the keys outside: each V row is read once for all the group's query heads
-  // (one head at a time re-read a row's V from L2 once per head: ~7 % of the kernel with
-  // the cache in L3, builtin:bench's 4 heads a KV head). Each head's sum runs over the keys
-  // in the same order as before. At most ~24 accumulators in registers (hd 128: 3 heads).
-  constexpr int64_t kMaxGroup = std::max(24 / HDV, 1);
-  for (int64_t h0 = 0; h0 < group; h0 += kMaxGroup) {
-    const int64_t num_heads = std::min(group - h0, kMaxGroup);
-    vecf acc[kMaxGroup][HDV] = {};
-    Walk v_ahead{kPrefetchValues / block_size, kPrefetchValues % block_size}, n_ahead{0, 0};
-    // The next head's first kPrefetchKeys K rows, one a key (its own walk prefetches the
-    // rest from key kPrefetchKeys on): each (row, head) had started with ~32 keys read at
-    // memory latency, ~20 % of a 160-key context.
-    const int64_t next_keys = next.table == nullptr || h0 != 0 ? 0
-                              : std::min(kPrefetchKeys, next.n);
-    for (int64_t j = 0, vb = 0, vo = 0; j < n; ++j) {
-      const T* vrow = v_cache + (table[vb] * block_size + vo) * slot_stride + head_off;
-      if (h0 == 0 && j + kPrefetchValues < n) prefetch(v_cache, v_ahead);
-      if (j < next_keys) prefetch_rows(k_cache, next.table, next.head_off, head_bytes, n_ahead);
-      vecf v[HDV];
-      for (int c = 0; c < HDV; ++c) v[c] = load_kv(vrow + c * kWidth);
-      for (int64_t h = 0; h < num_heads; ++h) {
-        const float p = scores[(h0 + h) * n_pad + j];
-        for (int c = 0; c < HDV; ++c) acc[h][c] += p * v[c];
-      }
-      if (++vo == block_size) {
-        vo = 0;
-        ++vb;
-      }
+  // p @ V with the keys outside: each V row's lines are read once for all the group's query
+  // heads (one head at a time re-read a row's V from L2 once per head: ~7 % of the kernel
+  // with the cache in L3, builtin:bench's 4 heads a KV head), in passes whose accumulators
+  // stay in registers (`pv_pass`).
+  for (int64_t c0 = 0; c0 < HDV; c0 += kPvVecs<HDV>)
+    for (int64_t h0 = 0; h0 < group; h0 += kPvHeads<HDV>) {
+      const PvArgs<T> args{v_cache, table, n, n_pad, block_size, slot_stride, head_off,
+                           scores + h0 * n_pad, out + h0 * hd, c0};
+      const int64_t num_heads = std::min(group - h0, kPvHeads<HDV>);
+      kPvPasses<HDV, T>[num_heads - 1](args, c0 == 0 && h0 == 0, next, k_cache, ahead_heads);
     }
-    for (int64_t h = 0; h < num_heads; ++h)
-      std::memcpy(out + (h0 + h) * hd, acc[h], sizeof(acc[h]));
-  }
 }
 
 template <int HDV, typename T>
@@ -230,7 +321,8 @@ void decode_paged(const float* q, int64_t q_row_stride, const T* k_cache, const 
       for (int64_t g = g0; g < g0 + kv_per_item; ++g) {
         // The row's first KV head prefetches every head's rows of the item (whole slots,
         // where a head's pass alone read every other 256 bytes of each: the next heads'
-        // passes then read from L2). The head after this one in this thread's items: the
+        // passes then read from L2 and prefetch nothing more: at 32 rows x 160 keys on a
+        // Zen 3 their repeated prefetches were ~10 % of the kernel). The head after this one in this thread's items: the
         // next KV head of the row, or the next item's first (when it has keys).
         NextHead next{nullptr, 0, 0};
         if (g + 1 < g0 + kv_per_item) {
@@ -244,7 +336,7 @@ void decode_paged(const float* q, int64_t q_row_stride, const T* k_cache, const 
         decode_kv_head<HDV, T>(q + s * q_row_stride + g * group * hd, k_cache, v_cache,
                             block_table + s * table_width, n, group, block_size, slot_stride,
                             g * hd, scale, scores.data(), out + (s * num_heads + g * group) * hd,
-                            next, g == g0 ? kv_per_item : 1);
+                            next, g == g0 ? kv_per_item : 0);
       }
     }
   });
