@@ -15,6 +15,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <limits>
@@ -46,18 +47,26 @@ void i16_tile(const int32_t* x, int64_t pairs, const int16_t* w, const float* x_
               int64_t pp1) {
   __m256i acc[rows][2];
   for (int r = 0; r < rows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
-  for (int64_t p = 0; p < pairs; ++p) {
+  auto step = [&](int64_t p) __attribute__((always_inline)) {
     const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32));
     const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32 + 16));
-    if (next != nullptr && p >= pp0 && p < pp1)
-      __builtin_prefetch(next + p * 32, 0, 2);  // one line a pair
 #pragma GCC unroll 8
     for (int r = 0; r < rows; ++r) {
       const __m256i b = _mm256_set1_epi32(x[r * pairs + p]);
       acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(w0, b));
       acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(w1, b));
     }
+  };
+  // The prefetching pairs as a range of their own, as cpu_gemm.cpp's tile does.
+  pp1 = next == nullptr ? pairs : std::min(pp1, pairs);
+  pp0 = std::min(pp0, pp1);
+  int64_t p = 0;
+  for (; p < pp0; ++p) step(p);
+  for (; p < pp1; ++p) {
+    __builtin_prefetch(next + p * 32, 0, 2);  // one line a pair
+    step(p);
   }
+  for (; p < pairs; ++p) step(p);
   const __m256 s0 = _mm256_loadu_ps(w_scale), s1 = _mm256_loadu_ps(w_scale + 8);
   for (int r = 0; r < rows; ++r) {
     const __m256 t = _mm256_set1_ps(x_scale[r]);
