@@ -173,7 +173,7 @@ void pv_pass(const PvArgs<T>& a, bool first, NextHead next, const T* k_cache,
   const T* base = a.v_cache + a.head_off + a.c0 * kWidth;
   for (int64_t j = 0, vb = 0, vo = 0; j < a.n; ++j) {
     const T* vrow = base + (a.table[vb] * a.block_size + vo) * a.slot_stride;
-    if (first && j + kPrefetchValues < a.n)
+    if (first && ahead_heads > 0 && j + kPrefetchValues < a.n)
       prefetch_rows(a.v_cache, a.table, a.block_size, a.slot_stride, a.head_off,
                     ahead_heads * head_bytes, v_ahead);
     if (j < next_keys)
@@ -225,7 +225,9 @@ void decode_kv_head(const float* q, const T* k_cache, const T* v_cache,
   int64_t b = 0, o = 0;  // key j's block (table index) and row in it, walked without division
   for (int64_t j0 = 0; j0 < n; j0 += kWidth) {
     // Keys j0 + kPrefetchKeys onwards, one by one across tiles; past n the first V rows.
-    for (int64_t j = j0 + kPrefetchKeys; j < j0 + kPrefetchKeys + kWidth; ++j) {
+    // ahead_heads 0 (a row's later KV heads: the first one's walks covered them): no walk.
+    for (int64_t j = j0 + kPrefetchKeys; ahead_heads > 0 && j < j0 + kPrefetchKeys + kWidth;
+         ++j) {
       if (j < n) prefetch(k_cache, k_ahead);
       else if (j - n < std::min(kPrefetchValues, n)) prefetch(v_cache, v_first);  // own keys
     }

@@ -50,20 +50,13 @@ inline void tile(const float* x, int64_t k_len, const float* w, float* y, int64_
       acc[r][1] += b * w1;
     }
   };
-  // k in three ranges, the prefetching one in the middle: a test of the range at every k
-  // was ~8 scalar instructions beside the tile's 10-12 FMAs, and a 5-row tile ran ~20 %
-  // slower a row than a 6-row one on a Zen 3. Sums still run over k in order.
-  // (The next weight's k range may be longer than this one's: only this one's k prefetch.)
-  pk1 = next == nullptr ? k_len : std::min(pk1, k_len);
-  pk0 = std::min(pk0, pk1);
-  int64_t k = 0;
-  for (; k < pk0; ++k) step(k);
-  for (; k < pk1; ++k) {  // the next block's lines of this k, into L2
-    __builtin_prefetch(next + k * kBlock, 0, 2);
-    if constexpr (kBlock * sizeof(float) > 64) __builtin_prefetch(next + k * kBlock + 16, 0, 2);
-    step(k);
-  }
-  for (; k < k_len; ++k) step(k);
+  // The next block's lines of each k in the prefetching range, into L2 (cpu_vec.h).
+  for_each_k(k_len, next != nullptr, pk0, pk1, step,
+             [&](int64_t k) __attribute__((always_inline)) {
+               __builtin_prefetch(next + k * kBlock, 0, 2);
+               if constexpr (kBlock * sizeof(float) > 64)
+                 __builtin_prefetch(next + k * kBlock + 16, 0, 2);
+             });
   for (int r = 0; r < rows; ++r) {
     storev(y + r * n, acc[r][0]);
     storev(y + r * n + kWidth, acc[r][1]);

@@ -168,20 +168,21 @@ void screen_tile(const uint32_t* x, int64_t pairs, const uint32_t* w, uint16_t* 
                  const uint32_t* next, int64_t pp0, int64_t pp1) {
   __m512 acc[rows][2];
   for (int r = 0; r < rows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < pairs; ++p) {
+  auto step = [&](int64_t p) __attribute__((always_inline)) {
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + p * kScreenBlock);
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + p * kScreenBlock + 16);
-    if (next != nullptr && p >= pp0 && p < pp1) {  // the next block's lines of this pair
-      __builtin_prefetch(next + p * kScreenBlock, 0, 2);
-      __builtin_prefetch(next + p * kScreenBlock + 16, 0, 2);
-    }
 #pragma GCC unroll 16
     for (int r = 0; r < rows; ++r) {
       const __m512bh b = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * pairs + p]));
       acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, b);
       acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, b);
     }
-  }
+  };
+  for_each_k(pairs, next != nullptr, pp0, pp1, step,  // the next block's lines of a pair
+             [&](int64_t p) __attribute__((always_inline)) {
+               __builtin_prefetch(next + p * kScreenBlock, 0, 2);
+               __builtin_prefetch(next + p * kScreenBlock + 16, 0, 2);
+             });
   for (int r = 0; r < rows; ++r)
     for (int c = 0; c < 2; ++c)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * n + c * 16),

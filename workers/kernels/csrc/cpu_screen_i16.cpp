@@ -57,16 +57,10 @@ void i16_tile(const int32_t* x, int64_t pairs, const int16_t* w, const float* x_
       acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(w1, b));
     }
   };
-  // The prefetching pairs as a range of their own, as cpu_gemm.cpp's tile does.
-  pp1 = next == nullptr ? pairs : std::min(pp1, pairs);
-  pp0 = std::min(pp0, pp1);
-  int64_t p = 0;
-  for (; p < pp0; ++p) step(p);
-  for (; p < pp1; ++p) {
-    __builtin_prefetch(next + p * 32, 0, 2);  // one line a pair
-    step(p);
-  }
-  for (; p < pairs; ++p) step(p);
+  for_each_k(pairs, next != nullptr, pp0, pp1, step,  // one line a pair
+             [&](int64_t p) __attribute__((always_inline)) {
+               __builtin_prefetch(next + p * 32, 0, 2);
+             });
   const __m256 s0 = _mm256_loadu_ps(w_scale), s1 = _mm256_loadu_ps(w_scale + 8);
   for (int r = 0; r < rows; ++r) {
     const __m256 t = _mm256_set1_ps(x_scale[r]);
