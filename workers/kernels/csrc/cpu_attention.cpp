@@ -210,12 +210,6 @@ void parallel_items(int64_t total, const Body& body) {
   at::parallel_for(0, num_tasks, 1, [&](int64_t, int64_t) { body(next); });
 }
 
-inline veci lanes() {
-  veci v;
-  for (int32_t i = 0; i < kWidth; ++i) v[i] = i;
-  return v;
-}
-
 template <int32_t S>
 inline vecf swap_lanes(vecf v) {  // lane i gets lane i ^ S
   veci m;
@@ -334,7 +328,6 @@ void chunk_attention_impl(const T* q, int64_t q_row_stride, const T* k_cache, co
         total(max_vectors * kWidth);
     alignas(64) float p[kQueries * kKeys];  // the block's weights of the tile's keys
     const float* vrows[kKeys];
-    const veci lane = lanes();
     const vecf zero = {};
     const vecf neg_inf = zero - std::numeric_limits<float>::infinity();
     for (int64_t item; (item = next()) >= 0;) {
@@ -401,7 +394,7 @@ void chunk_attention_impl(const T* q, int64_t q_row_stride, const T* k_cache, co
             vecf m = neg_inf;
 #pragma GCC unroll 8
             for (int64_t c = 0; c < kKeyVecs; ++c) {
-              in[c] = lane + static_cast<int32_t>(c * kWidth) < static_cast<int32_t>(limit);
+              in[c] = kLanes + static_cast<int32_t>(c * kWidth) < static_cast<int32_t>(limit);
               m = vmax(m, partial ? (in[c] ? a[b][c] : neg_inf) : a[b][c]);
             }
             // The running max moves only when a score of this tile passes it; the test is

@@ -89,13 +89,6 @@ struct NextHead {
   int64_t n, head_off;
 };
 
-// Each lane's index.
-template <std::size_t... I>
-constexpr veci lanes_of(std::index_sequence<I...>) {
-  return veci{static_cast<int32_t>(I)...};
-}
-constexpr veci kLanes = lanes_of(std::make_index_sequence<kWidth>{});
-
 // Key j's row of a KV head into cache ahead of use: a sequence's rows are blocks scattered
 // over the pool, which the hardware prefetcher does not follow (the K walk looks
 // kPrefetchKeys keys ahead, then at the first V rows; the V walk kPrefetchValues). Read from
@@ -324,8 +317,9 @@ void decode_paged(const float* q, int64_t q_row_stride, const T* k_cache, const 
         // The row's first KV head prefetches every head's rows of the item (whole slots,
         // where a head's pass alone read every other 256 bytes of each: the next heads'
         // passes then read from L2 and prefetch nothing more: at 32 rows x 160 keys on a
-        // Zen 3 their repeated prefetches were ~10 % of the kernel). The head after this one in this thread's items: the
-        // next KV head of the row, or the next item's first (when it has keys).
+        // Zen 3 their repeated prefetches were ~10 % of the kernel). The head after this
+        // one in this thread's items: the next KV head of the row, or the next item's first
+        // (when it has keys).
         NextHead next{nullptr, 0, 0};
         if (g + 1 < g0 + kv_per_item) {
           next = NextHead{block_table + s * table_width, n, (g + 1) * hd};

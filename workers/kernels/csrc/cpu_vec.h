@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <new>
+#include <utility>
 
 #include <ATen/Parallel.h>
 
@@ -51,6 +52,14 @@ class AlignedFloats {
   float* data_;
   int64_t size_;
 };
+
+// Each lane's index (0 .. kWidth - 1): the kernels mask a tile's lanes past a length with one
+// compare against it.
+template <std::size_t... I>
+constexpr veci lanes_of(std::index_sequence<I...>) {
+  return veci{static_cast<int32_t>(I)...};
+}
+constexpr veci kLanes = lanes_of(std::make_index_sequence<kWidth>{});
 
 inline vecf loadv(const float* p) {
   vecf v;
