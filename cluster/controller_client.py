@@ -74,6 +74,12 @@ class RayControllerClient:
         # Each acked request as submitted: one the restarted controller cannot resume (not
         # journaled yet, or no journal) is submitted again from it.
         self._submitted: dict[str, tuple[list[int], SamplingParams, int, str]] = {}
+        # Acked requests this edge has aborted (a stop string, a consumer gone), until their
+        # finished delta arrives: a delta of theirs still in flight, which finds no queue,
+        # must not abort them again. Ray runs an async actor's calls out of order, so that
+        # second, plain abort could overtake a stop string's and count the request as
+        # aborted, not stopped.
+        self._aborted: set[str] = set()
         self._subscriber = ""
         self._pump_task: asyncio.Task[None] | None = None
         # Built here so that a bad value fails the constructor, not a later pump. One pump
@@ -100,6 +106,8 @@ class RayControllerClient:
         # Fire and forget: this runs in `finally` blocks of cancelled tasks, which must not
         # await. Submitted from a fresh context: in the cancelled request's own context Ray
         # would count the call as a child of the cancelled task and cancel it too.
+        if request_id in self._acked:  # a finished (forgotten) one ends nothing more here
+            self._aborted.add(request_id)
         contextvars.Context().run(self.handle.abort.remote, request_id, reason)
 
     async def submit(self, prompt_token_ids: list[int], params: SamplingParams,
@@ -279,6 +287,7 @@ class RayControllerClient:
             if delta.is_finished:
                 queue = self._queues.pop(request_id, None)
                 self._forget(request_id)
+                self._aborted.discard(request_id)  # not in `_forget`: its consumer leaves first
             else:
                 queue = self._queues.get(request_id)
                 if queue is not None:
@@ -286,7 +295,7 @@ class RayControllerClient:
                                                        + len(delta.token_ids))
             if queue is not None:
                 queue.put_nowait(delta)
-            elif not delta.is_finished:
+            elif not delta.is_finished and request_id not in self._aborted:
                 # Its consumer is gone without aborting it (a response body that never
                 # started): abort, or it would hold its KV blocks until max_tokens.
                 self.abort(request_id)

@@ -73,6 +73,8 @@ class ScriptedHandle:
         self.resume_gate: asyncio.Event | None = None
         self.resume_error: Exception | None = None
         self.aborted: list[str] = []
+        self.abort_reasons: list[FinishReason] = []
+        self.abort_called = asyncio.Event()
 
     def __getattr__(self, name: str) -> _Method:
         return _Method({"submit": self._submit, "subscribe": self._subscribe,
@@ -80,6 +82,8 @@ class ScriptedHandle:
 
     def _abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> None:
         self.aborted.append(request_id)
+        self.abort_reasons.append(reason)
+        self.abort_called.set()
 
     def _submit(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
                 priority: int, tenant: str, subscriber: str) -> Coroutine[Any, Any, Ack]:
@@ -183,5 +187,41 @@ def test_a_submit_in_flight_when_the_stream_ends_for_good_is_aborted() -> None:
         r_end = await anext(r_deltas)
         assert r_end.is_finished and r_end.error is not None  # failed, not hanging
         assert handle.aborted == ["r"]
+
+    run(main())
+
+
+def test_a_stop_strings_abort_is_not_followed_by_a_plain_one() -> None:
+    """The edge matches a stop string in `a`'s deltas, aborts it as STOP and its consumer
+    leaves; a delta of `a` already in flight then finds no queue. No second, plain abort
+    goes out: Ray may run it before the first, and `a` would count as aborted, not stopped
+    (seen once in CI). `b`, whose consumer left without a word, is still aborted there."""
+
+    async def main() -> None:
+        handle = ScriptedHandle()
+        client = RayControllerClient(handle, EdgeConfig(reconnect_backoff_s=0.001))
+        _, a_deltas = await client.submit([1], PARAMS, "a", 0, "t")
+        _, b_deltas = await client.submit([2], PARAMS, "b", 0, "t")
+        stream = await handle.next_stream()
+        stream.push([Delta("a", 0, [5], None, 1, 1), Delta("b", 0, [9], None, 1, 1)])
+        assert (await anext(a_deltas)).token_ids == [5]
+        assert (await anext(b_deltas)).token_ids == [9]
+        client.abort("a", FinishReason.STOP)  # the stop string matched in these tokens
+        await a_deltas.aclose()
+        await b_deltas.aclose()
+        assert handle.aborted == ["a"]
+        handle.abort_called.clear()
+        stream.push([Delta("a", 0, [6], None, 1, 2), Delta("b", 0, [7], None, 1, 2)])
+        await handle.abort_called.wait()  # b's abort: the batch has been dispatched
+        assert list(zip(handle.aborted, handle.abort_reasons, strict=True)) == [
+            ("a", FinishReason.STOP), ("b", FinishReason.ABORT)]
+        stream.push([Delta("a", 0, [], FinishReason.STOP, 1, 2),
+                     Delta("b", 0, [], FinishReason.ABORT, 1, 2)])
+        stream.push([Delta("c", 0, [8], None, 1, 1)])  # unknown here: aborted, once
+        handle.abort_called.clear()
+        await handle.abort_called.wait()
+        assert handle.aborted == ["a", "b", "c"]
+        assert not client._aborted  # each finished delta let its request go
+        stream.end()
 
     run(main())
