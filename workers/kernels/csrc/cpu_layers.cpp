@@ -25,7 +25,9 @@ namespace {
 
 // Rows per task: enough elements that a thread's share is worth its wake-up (a decode step's
 // 8 rows run on the calling thread).
-int64_t grain_rows(int64_t width) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(width, 1)); }
+int64_t grain_rows(int64_t width) {
+  return std::max<int64_t>(1, 32768 / std::max<int64_t>(width, 1));
+}
 
 inline vecf silu_times(vecf g, vecf u) {
   const vecf silu = g / (1.0f + expv_clamped(-g));

@@ -124,9 +124,10 @@ std::tuple<torch::Tensor, torch::Tensor> greedy_screen(
         continue;
       }
       const double largest = std::max(std::fabs(top_val[0]), std::fabs(top_val[top_k - 1]));
-      const double err = safety * (std::sqrt(dh_sq) * max_row_norm +
-                                   std::sqrt(hb_sq) * (max_residual_norm + sum_bound * max_row_norm) +
-                                   std::ldexp(largest, -8));
+      const double err =
+          safety * (std::sqrt(dh_sq) * max_row_norm +
+                    std::sqrt(hb_sq) * (max_residual_norm + sum_bound * max_row_norm) +
+                    std::ldexp(largest, -8));
       cand.clear();
       if (top_val[top_k - 1] + err < top_val[0] - err) {
         cand.assign(top_id.begin(), top_id.end());
