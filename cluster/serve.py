@@ -44,6 +44,7 @@ from types import FrameType
 from typing import Any
 
 from cluster.config import API_KEYS_ENV, TokenflowConfig, api_keys_from_env, nest
+from cluster.local_ray import init_local
 
 # How often `make serve` asks the service whether it is healthy.
 _WATCH_INTERVAL_S = 2.0
@@ -292,8 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         # address="local": never join (or be confused by) another cluster; the default
         # Redis port 6379 may be taken on this machine, ray.init picks free ports itself.
-        ray.init(address="local", num_cpus=ray_num_cpus(config), _node_ip_address="127.0.0.1",
-                 include_dashboard=False, namespace=config.cluster.namespace)
+        init_local(num_cpus=ray_num_cpus(config), _node_ip_address="127.0.0.1",
+                   include_dashboard=False, namespace=config.cluster.namespace)
         config = with_local_threads(config, ray.cluster_resources().get("GPU", 0) >= 1)
         options = config.controller_options()
     controller = None
