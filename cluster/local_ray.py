@@ -31,9 +31,8 @@ WAIT_S = 30.0  # Ray's own limit for a new raylet to register
 
 def node_table(gcs_address: str) -> Callable[[str], bool]:
     """A look at the node table of the GCS at `gcs_address`: node id (hex) -> whether it is
-    alive. One client for all looks (a client a look was a connection a look, beside the
-    raylet's start on the same cores). Ray's private client: raises where this Ray has
-    another API."""
+    alive. One client for all looks (not a new connection each). Ray's private client:
+    raises where this Ray has another API."""
     from ray._raylet import GcsClient, NodeID
     from ray.core.generated.gcs_pb2 import GcsNodeInfo
 
