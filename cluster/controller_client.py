@@ -75,10 +75,10 @@ class RayControllerClient:
         # journaled yet, or no journal) is submitted again from it.
         self._submitted: dict[str, tuple[list[int], SamplingParams, int, str]] = {}
         # Acked requests this edge has aborted (a stop string, a consumer gone), until their
-        # finished delta arrives: a delta of theirs still in flight, which finds no queue,
-        # must not abort them again. Ray runs an async actor's calls out of order, so that
-        # second, plain abort could overtake a stop string's and count the request as
-        # aborted, not stopped.
+        # finished delta arrives or the stream breaks: a delta of theirs still in flight,
+        # which finds no queue, must not abort them again. Ray runs an async actor's calls
+        # out of order, so that second, plain abort could overtake a stop string's and count
+        # the request as aborted, not stopped.
         self._aborted: set[str] = set()
         self._subscriber = ""
         self._pump_task: asyncio.Task[None] | None = None
@@ -225,6 +225,10 @@ class RayControllerClient:
                     # submit is unanswered is sent again by that submit.
                     to_resume = [rid for rid in to_resume or self._queues
                                  if rid in self._queues and rid in self._acked]
+                    # An aborted request's finished delta may have died with the stream (a
+                    # restarted controller has no stream for it): its id is let go here,
+                    # long after its abort reached the controller.
+                    self._aborted.clear()
                     # The end decision counts every open request, those registered during
                     # the backoff or a failed resume too: ending now would fail them
                     # although they are running.
@@ -246,6 +250,7 @@ class RayControllerClient:
             self._num_delivered.clear()
             self._acked.clear()
             self._submitted.clear()
+            self._aborted.clear()
             for request_id, queue in queues.items():
                 queue.put_nowait(Delta.failed(request_id, "the controller's delta stream ended"))
 

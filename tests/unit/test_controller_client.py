@@ -225,3 +225,33 @@ def test_a_stop_strings_abort_is_not_followed_by_a_plain_one() -> None:
         stream.end()
 
     run(main())
+
+
+def test_an_aborted_id_is_let_go_when_its_finished_delta_dies_with_the_stream() -> None:
+    """`a` is aborted as STOP and its consumer leaves; the stream breaks before `a`'s
+    finished delta comes (a restarted controller sends none). The client keeps no id of `a`
+    after the break, nor any once the stream ends for good."""
+
+    async def main() -> None:
+        handle = ScriptedHandle()
+        client = RayControllerClient(handle, EdgeConfig(reconnect_backoff_s=0.001))
+        _, a_deltas = await client.submit([1], PARAMS, "a", 0, "t")
+        _, b_deltas = await client.submit([2], PARAMS, "b", 0, "t")
+        first = await handle.next_stream()
+        first.push([Delta("a", 0, [5], None, 1, 1), Delta("b", 0, [9], None, 1, 1)])
+        assert (await anext(a_deltas)).token_ids == [5]
+        assert (await anext(b_deltas)).token_ids == [9]
+        client.abort("a", FinishReason.STOP)  # a stop string matched in `a`'s tokens
+        await a_deltas.aclose()
+        assert client._aborted == {"a"}
+        first.fail(ConnectionError("the controller actor died"))
+        second = await handle.next_stream()  # `b` is open: resumed, subscribed again
+        assert handle.resume_calls == [{"b": 1}] and not client._aborted
+        client.abort("b", FinishReason.STOP)
+        assert client._aborted == {"b"}
+        second.end()  # the controller closes the stream: `b` fails, nothing is kept
+        b_end = await anext(b_deltas)
+        assert b_end.is_finished and b_end.error is not None
+        assert not client._aborted
+
+    run(main())
