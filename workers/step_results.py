@@ -27,6 +27,7 @@ from torch import Tensor
 
 from controller.messages import ChunkComplete, StepPlan, StepResult
 from workers.attention import AttentionBackend, HostStaging, SeqSpan, StepMetadata
+from workers.decode_loop import run_decode_loop
 from workers.greedy_head import GreedyHead
 from workers.logprobs import score_rows
 from workers.model_config import ModelConfig
@@ -130,12 +131,16 @@ class StepResults:
                 raise ValueError(f"{request_id}: a chunk burst reaches the prompt's end")
 
     @torch.inference_mode()
-    def _run_burst(self, plan: StepPlan, result: StepResult) -> None:
+    def _run_burst(self, pending: PendingStep, result: StepResult) -> None:
         """Steps 2.. of a burst (`StepPlan.num_steps`), into `result`: each decodes every
         decoding request of the plan once more, on the token the step before sampled, and
         runs the chunk's next span of the prompt (its own `chunk_complete`). The controller
         allocated the blocks for all of them and drops what follows a stop, so every
-        request runs every step (its state stays the one the controller planned)."""
+        request runs every step (its state stays the one the controller planned). Greedy
+        decodes on the C++ stack run in one loop (workers/decode_loop.py)."""
+        plan = pending.plan
+        if run_decode_loop(self, pending, result, plan.num_steps - 1):  # type: ignore[arg-type]
+            return
         again = StepPlan(plan.step_id, num_scheduled_tokens=dict(plan.num_scheduled_tokens),
                          total_num_scheduled_tokens=plan.total_num_scheduled_tokens)
         for _ in range(plan.num_steps - 1):

@@ -428,7 +428,7 @@ class Worker(StepResults):
         self._launched = False
         result = self._wait_one(pending)
         if pending.plan.num_steps > 1:
-            self._run_burst(pending.plan, result)
+            self._run_burst(pending, result)
         return self._sample_telemetry(result)
 
     def _remap_blocks(self, moves: dict[int, int]) -> tuple[np.ndarray, np.ndarray]:
