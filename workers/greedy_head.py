@@ -7,7 +7,8 @@ greedy row needs only the argmax, so the bf16 logits pick the candidates and fp3
 
 - screen: `approx = bf16(h) @ bf16(W)^T`, output rounded to bf16 (oneDNN's packed copy, or
   the C++ `screen_gemm` where the build has AVX512-BF16 and the CPU no AMX: `uses_own_gemm`).
-  A CPU without bf16 units but with AVX2 screens with int16 instead (`uses_i16`): W and h
+  A CPU without AMX but with AVX2 may screen with int16 instead (`uses_i16`; where it also
+  has AVX512-BF16 the faster of the two here, timed at start: `fastest`): W and h
   quantized per row (W_j ~ s_j q_j: 11 bits at hidden 512, about twice bf16's precision),
   products summed exactly in int32 by VPMADDWD, the output rounded to bf16 (on a Zen 3 the
   lm_head's 32 rows in 0.7x the fp32 GEMM's time, 8 rows in 0.5x); hb and Wb below are then
@@ -32,7 +33,10 @@ costs one bf16 (or int16) copy of the lm_head's weight.
 
 from __future__ import annotations
 
+import logging
 import math
+import statistics
+import time
 from types import ModuleType
 from typing import Literal
 
@@ -43,12 +47,18 @@ from torch import Tensor
 from workers.kernels.cpu_ops import cpu_ops
 from workers.models.packed import pack_weight, packed_linear
 
+logger = logging.getLogger(__name__)
+
 # Smaller lm_heads stay fp32: with its row pass in torch operators (~1.6 ms a 32-row step)
 # the screen lost to the C++ decode GEMM on builtin:small's 2M (0.94x offline) and won on
 # builtin:bench's 16M (1.11x); not measured again since the row pass moved to C++.
 SCREEN_MIN_ELEMENTS = 1 << 23
 SCREEN_TOP_K = 16  # candidates recomputed in fp32 per row; the rest of the vocab is bounded
 SAFETY = 2.0  # the bound's margin (oneDNN's kernels may sum in another order, flush subnormals)
+# `fastest` times each screen's GEMM on a decode step's rows (the batch hint oneDNN packs
+# for), each `SCREEN_TIMING_REPS` times, interleaved, and keeps the lower median.
+SCREEN_TIMING_ROWS = 32
+SCREEN_TIMING_REPS = 5
 
 
 def _cpu_has(probe_name: str) -> bool:
@@ -135,40 +145,49 @@ class GreedyHead:
         self.ops = ops  # the C++ kernels (workers/kernels/cpu_ops.py)
         self.num_rows = 0  # rows whose ids the screen gave
         self.num_widened_rows = 0  # of them, rows whose top k did not decide
+        self.timings_ms: dict[str, float] = {}  # each screen's GEMM where `fastest` chose
 
     @classmethod
     def build(cls, weight: Tensor) -> GreedyHead | None:
         """The screen for a CPU fp32 lm_head weight, or None where it does not apply (not
         fp32 or not CPU, a small lm_head, no C++ kernels, neither bf16 units nor AVX2, a
-        torch build that cannot pack bf16)."""
+        torch build that cannot pack bf16). Where the CPU has both a bf16 screen and the
+        int16 one and no AMX, the one whose GEMM ran faster here (`fastest`)."""
         if (weight.device.type != "cpu" or weight.dtype != torch.float32
                 or weight.numel() < SCREEN_MIN_ELEMENTS or weight.shape[0] <= SCREEN_TOP_K
                 or (ops := cpu_ops()) is None):
             return None
         w = weight.detach()
+        heads = []
         if has_bf16_units():
             rounded = w.bfloat16()
             if uses_own_gemm(ops, w):
-                return cls(w, ops.pack_screen_weight(rounded), ops, gemm="own")
-            packed = pack_weight(rounded, batch_hint=32)
-            return None if packed is None else cls(w, packed, ops)
-        if uses_i16(ops, w):
+                heads.append(cls(w, ops.pack_screen_weight(rounded), ops, gemm="own"))
+            elif (packed := pack_weight(rounded, batch_hint=SCREEN_TIMING_ROWS)) is not None:
+                heads.append(cls(w, packed, ops))
+        if uses_i16(ops, w) and not has_amx():  # with AMX oneDNN's bf16 tiles win
             q, scale = quantize_rows(w, i16_limits(w.shape[1])[0])
-            return cls(w, pack_i16(q), ops, gemm="i16", w_scale=scale)
-        return None
+            heads.append(cls(w, pack_i16(q), ops, gemm="i16", w_scale=scale))
+        return fastest(heads)
+
+    def screen(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
+        """hidden [S, H] contiguous fp32 -> (screened logits [S, V] bf16, the input the
+        screen multiplied: bf16 hb, or for "i16" the dequantized fp32 t p)."""
+        if self.gemm == "i16":
+            screened, rounded = self.ops.screen_i16(hidden, self.packed, self.w_scale,
+                                                    self.qmax_x)
+            return screened, rounded
+        rounded = hidden.bfloat16()  # hb
+        screened = (self.ops.screen_gemm(rounded, self.packed) if self.gemm == "own"
+                    else packed_linear(rounded, self.packed, None))  # [S, V] bf16
+        return screened, rounded
 
     @torch.inference_mode()
     def ids(self, hidden: Tensor) -> Tensor:
         """hidden [S, H] fp32 -> [S] int64: each row's argmax of hidden @ weight^T."""
         self.num_rows += hidden.shape[0]
         hidden = hidden.contiguous()
-        if self.gemm == "i16":  # rounded: the dequantized input, fp32
-            screened, rounded = self.ops.screen_i16(hidden, self.packed, self.w_scale,
-                                                    self.qmax_x)
-        else:
-            rounded = hidden.bfloat16()  # hb
-            screened = (self.ops.screen_gemm(rounded, self.packed) if self.gemm == "own"
-                        else packed_linear(rounded, self.packed, None))  # [S, V] bf16
+        screened, rounded = self.screen(hidden)
         # The row pass (top k, bound, candidates in fp32): workers/kernels/csrc/cpu_screen.cpp.
         ids, how = self.ops.greedy_screen(
             screened, hidden, rounded, self.weight, self.top_k, self.max_row_norm,
@@ -179,3 +198,31 @@ class GreedyHead:
             ids[row] = F.linear(hidden[row][None], self.weight)[0].max(dim=0).indices
         return ids
 
+
+@torch.inference_mode()
+def fastest(heads: list[GreedyHead], rows: int = SCREEN_TIMING_ROWS,
+            reps: int = SCREEN_TIMING_REPS) -> GreedyHead | None:
+    """Of the screens built for one weight, the one whose GEMM took the least time here on
+    `rows` rows (median of `reps`, interleaved, after one untimed call each); its
+    `timings_ms` keeps every screen's median. Why measured, not a rule: AVX512-BF16 alone
+    does not say which wins (on a 2-core Xeon, KVM model 207, whose VDPBF16PS ran at half
+    the rate of fp32 FMAs, the int16 screen took 3.4 ms at 32 rows against 6.3 for the bf16
+    one; the bf16 one had been chosen for every CPU with bf16 units)."""
+    if len(heads) <= 1:
+        return heads[0] if heads else None
+    width = heads[0].weight.shape[1]
+    hidden = torch.randn(rows, width, generator=torch.Generator().manual_seed(0))
+    times: list[list[float]] = [[] for _ in heads]
+    for rep in range(reps + 1):
+        for head, spent in zip(heads, times, strict=True):
+            start = time.perf_counter()
+            head.screen(hidden)
+            if rep:  # the first call of each is untimed (oneDNN's first call, cold caches)
+                spent.append(time.perf_counter() - start)
+    timings_ms = {head.gemm: statistics.median(spent) * 1e3
+                  for head, spent in zip(heads, times, strict=True)}
+    best = min(heads, key=lambda head: timings_ms[head.gemm])
+    best.timings_ms = timings_ms
+    logger.info("greedy screen: %s (GEMM at %d rows, ms: %s)", best.gemm, rows,
+                ", ".join(f"{gemm} {ms:.2f}" for gemm, ms in timings_ms.items()))
+    return best

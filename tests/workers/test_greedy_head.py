@@ -132,6 +132,27 @@ def test_the_int16_screen_is_the_quantized_product_rounded_once(rows, width):
     assert bool(((got.double() - want).abs() <= slack).all())
 
 
+@pytest.mark.skipif(not _has_i16(), reason="the int16 screen needs an AVX2 build")
+@pytest.mark.parametrize("rows", [1, 5, 8, 13, 32])
+def test_the_int16_screen_gives_the_bits_of_its_definition(rows):
+    """Bit for bit: each output is bf16(fp32(exact int32 sum) * (s_j * t_r in fp32)), rounded
+    to nearest even, whichever tiles the build has (AVX2's 4-row tiles of two 256-bit halves
+    or AVX-512's 8-row tiles of one register): a CPU's screen does not depend on them."""
+    torch.manual_seed(40 + rows)
+    width = 512
+    qmax_w, qmax_x = i16_limits(width)
+    weight = torch.randn(64, width) * 0.05
+    x = torch.randn(rows, width) * 3.0
+    q, scale = quantize_rows(weight, qmax_w)
+    ops = cpu_ops()
+    got, _ = ops.screen_i16(x, pack_i16(q), scale, qmax_x)
+    t = x.abs().amax(dim=1) / qmax_x
+    p = torch.round(x / t[:, None]).clamp(-qmax_x, qmax_x)
+    sums = (p.long()[:, None, :] * q.long()[None, :, :]).sum(dim=2)  # exact
+    want = (sums.to(torch.int32).float() * (scale[None, :] * t[:, None])).bfloat16()
+    assert torch.equal(got, want)
+
+
 def test_the_own_gemm_only_without_amx(monkeypatch):
     ops = cpu_ops()
     weight = torch.randn(VOCAB, 64)
@@ -177,10 +198,11 @@ def test_no_screen_where_it_cannot_gain(monkeypatch):
     monkeypatch.setattr(greedy_head, "SCREEN_MIN_ELEMENTS", 0)
     weight = torch.randn(VOCAB, 64)
     # Its bf16 GEMM: the C++ one, or oneDNN's packed one, which needs AVX-512 or AVX-NE-CONVERT
-    # (an AVX2 CPU: no bf16 copy, no screen).
+    # (an AVX2 CPU: no bf16 copy); or, without AMX, the int16 one where AVX2.
     ops = cpu_ops()
     has_gemm = ((ops is not None and greedy_head.uses_own_gemm(ops, weight))
-                or pack_weight(weight.bfloat16(), batch_hint=32) is not None)
+                or pack_weight(weight.bfloat16(), batch_hint=32) is not None
+                or (_has_i16() and not greedy_head.has_amx()))
     assert (GreedyHead.build(weight) is not None) == has_gemm
     assert GreedyHead.build(torch.randn(SCREEN_TOP_K, 64)) is None  # a vocab of k ids
     monkeypatch.setattr(greedy_head, "cpu_ops", lambda: None)
@@ -254,3 +276,48 @@ def test_a_step_that_needs_logits_takes_the_fp32_path(checkpoint, monkeypatch):
             assert worker.greedy_head is not None and worker.greedy_head.num_rows == 4
         tokens[screen] = dict(driver.tokens)
     assert tokens[True] == tokens[False]
+
+
+class _Timed:
+    """A screen whose GEMM takes the next of its `costs_s` on a fake clock."""
+
+    def __init__(self, gemm: str, costs_s: list[float], clock: list[float]) -> None:
+        self.gemm, self.weight, self.timings_ms = gemm, torch.zeros(VOCAB, 64), {}
+        self._costs, self._clock, self.num_calls = list(costs_s), clock, 0
+
+    def screen(self, hidden: torch.Tensor) -> None:
+        assert hidden.shape == (greedy_head.SCREEN_TIMING_ROWS, 64)
+        self._clock[0] += self._costs[self.num_calls]
+        self.num_calls += 1
+
+
+def test_fastest_keeps_the_lower_median_of_interleaved_timings(monkeypatch):
+    """Each screen runs once untimed, then SCREEN_TIMING_REPS times: the lower median
+    wins, whatever one slow call (a stolen slice of time) or a slow first call says."""
+    clock = [0.0]
+    monkeypatch.setattr(greedy_head.time, "perf_counter", lambda: clock[0])
+    reps = greedy_head.SCREEN_TIMING_REPS
+    own = _Timed("own", [9.0] + [0.006] * reps, clock)  # slow first call, untimed
+    i16 = _Timed("i16", [0.001] + [0.004] * (reps - 1) + [0.5], clock)  # one stolen slice
+    best = greedy_head.fastest([own, i16])  # type: ignore[list-item]
+    assert best is i16 and own.num_calls == i16.num_calls == reps + 1
+    assert best.timings_ms == pytest.approx({"own": 6.0, "i16": 4.0})
+    assert greedy_head.fastest([own]) is own and greedy_head.fastest([]) is None
+
+
+@pytest.mark.skipif(not (_has_own_gemm() and _has_i16()),
+                    reason="both screens are built only with AVX512-BF16 and AVX2")
+def test_a_cpu_with_both_screens_runs_the_faster_and_stays_exact(monkeypatch):
+    monkeypatch.setattr(greedy_head, "SCREEN_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(greedy_head, "has_amx", lambda: False)
+    monkeypatch.setattr(greedy_head, "has_bf16_units", lambda: True)
+    torch.manual_seed(5)
+    weight = torch.randn(VOCAB, 256) * 0.05
+    head = GreedyHead.build(weight)
+    assert head is not None and set(head.timings_ms) == {"own", "i16"}
+    assert head.timings_ms[head.gemm] == min(head.timings_ms.values())
+    hidden = torch.randn(32, 256) * 4.0
+    assert head.ids(hidden).tolist() == _argmax(hidden, weight)
+    monkeypatch.setattr(greedy_head, "has_amx", lambda: True)  # AMX: bf16 tiles, untimed
+    amx_head = GreedyHead.build(weight)
+    assert amx_head is not None and amx_head.gemm != "i16" and not amx_head.timings_ms
