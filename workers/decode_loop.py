@@ -20,16 +20,38 @@ that path (`loopable`); anything else runs step by step as before.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from controller.messages import StepResult
-from workers.step_state import PendingStep
+from workers.greedy_head import GreedyHead
+from workers.model_config import ModelConfig
+from workers.step_state import PendingStep, RequestState
 
-if TYPE_CHECKING:
-    from workers.worker import Worker
+
+class Worker(Protocol):
+    """What the loop reads of `workers.worker.Worker` (which imports this module)."""
+
+    model: Any
+    forward: Any
+    backend: Any
+    graphs: Any
+    kv_provenance: Any
+    device: torch.device
+    dtype: torch.dtype
+    keep_logits: bool
+    greedy_head: GreedyHead | None
+    block_size: int
+    vocab_size: int
+    _config: ModelConfig
+    _requests: dict[str, RequestState]
+    _matmul_weight_bytes: int
+    _act_bytes_per_token: int
+    _kv_bytes_per_token: int
+
+    def _is_screened(self, sampling_ids: list[str]) -> bool: ...
 
 
 def loopable(worker: Worker, pending: PendingStep) -> list[str] | None:

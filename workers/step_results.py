@@ -139,7 +139,7 @@ class StepResults:
         request runs every step (its state stays the one the controller planned). Greedy
         decodes on the C++ stack run in one loop (workers/decode_loop.py)."""
         plan = pending.plan
-        if run_decode_loop(self, pending, result, plan.num_steps - 1):  # type: ignore[arg-type]
+        if run_decode_loop(self, pending, result, plan.num_steps - 1):
             return
         again = StepPlan(plan.step_id, num_scheduled_tokens=dict(plan.num_scheduled_tokens),
                          total_num_scheduled_tokens=plan.total_num_scheduled_tokens)
