@@ -101,7 +101,8 @@ class WorkerConfig:
     cpu_greedy_screen: bool = setting(True, description=(
         "On a CPU fp32 worker with bf16 units (AMX or AVX512-BF16) or, without them, AVX2, "
         "a step whose sampling rows are all greedy, with no log-probs and no grammar, takes "
-        "its ids from a bf16 (or, on AVX2, a per-row int16) copy of the lm_head: the top 16 "
+        "its ids from a bf16 or a per-row int16 copy of the lm_head (where a CPU without AMX "
+        "has both, the one whose GEMM ran faster at the worker's start): the top 16 "
         "screened logits of a row are recomputed in fp32 when a bound on the copy's error "
         "proves the argmax is among them, else the row's whole fp32 logits "
         "(workers/greedy_head.py). The ids are the fp32 argmax's; the copy costs half the "
