@@ -73,7 +73,13 @@ class TokenflowRunner:
 
         # The GEMM rates in this process: the engine's torch threads, the same load.
         return {**offline_breakdown(self.engine, batch, fresh, self.params),
-                "gemm": measure_gemms(self.folder)}
+                "gemm": measure_gemms(self.folder), "greedy_screen": self.greedy_screen()}
+
+    def greedy_screen(self) -> dict[str, Any] | None:
+        """The lm_head's screen the worker runs (workers/greedy_head.py): its GEMM ("onednn",
+        "own" or "i16") and, where the worker timed two at start, each one's milliseconds."""
+        head = self.engine.worker.greedy_head
+        return None if head is None else {"gemm": head.gemm, "timings_ms": head.timings_ms}
 
 
 class BatchRunner:

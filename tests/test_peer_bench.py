@@ -58,6 +58,8 @@ def test_offline_driver_runs_tokenflow_rounds_and_profile(tmp_path: Path) -> Non
         shares = profile[part]["share"]
         assert 0 < sum(shares.values()) <= 1.0 + 1e-6
     assert "gemm" in profile["ops_prefill_steps"]["share"]
+    # builtin:tiny's lm_head is below the screen's size: the profile says so.
+    assert "greedy_screen" in profile and profile["greedy_screen"] is None
     # The profiled prefill computed its prompts: fresh ones, not the step log's run again
     # (prefix-cache hits would leave at most a block of each prompt to compute).
     assert profile["ops_prefill_steps"]["prefill_tokens"] > 32 * 16
