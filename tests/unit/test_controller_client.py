@@ -191,6 +191,21 @@ def test_a_submit_in_flight_when_the_stream_ends_for_good_is_aborted() -> None:
     run(main())
 
 
+async def _two_reading() -> tuple[ScriptedHandle, RayControllerClient, Stream,
+                                  AsyncIterator[Delta], AsyncIterator[Delta]]:
+    """A client with requests `a` and `b` open on one stream, each consumer past its first
+    token (5 and 9)."""
+    handle = ScriptedHandle()
+    client = RayControllerClient(handle, EdgeConfig(reconnect_backoff_s=0.001))
+    _, a_deltas = await client.submit([1], PARAMS, "a", 0, "t")
+    _, b_deltas = await client.submit([2], PARAMS, "b", 0, "t")
+    stream = await handle.next_stream()
+    stream.push([Delta("a", 0, [5], None, 1, 1), Delta("b", 0, [9], None, 1, 1)])
+    assert (await anext(a_deltas)).token_ids == [5]
+    assert (await anext(b_deltas)).token_ids == [9]
+    return handle, client, stream, a_deltas, b_deltas
+
+
 def test_a_stop_strings_abort_is_not_followed_by_a_plain_one() -> None:
     """The edge matches a stop string in `a`'s deltas, aborts it as STOP and its consumer
     leaves; a delta of `a` already in flight then finds no queue. No second, plain abort
@@ -198,14 +213,7 @@ def test_a_stop_strings_abort_is_not_followed_by_a_plain_one() -> None:
     (seen once in CI). `b`, whose consumer left without a word, is still aborted there."""
 
     async def main() -> None:
-        handle = ScriptedHandle()
-        client = RayControllerClient(handle, EdgeConfig(reconnect_backoff_s=0.001))
-        _, a_deltas = await client.submit([1], PARAMS, "a", 0, "t")
-        _, b_deltas = await client.submit([2], PARAMS, "b", 0, "t")
-        stream = await handle.next_stream()
-        stream.push([Delta("a", 0, [5], None, 1, 1), Delta("b", 0, [9], None, 1, 1)])
-        assert (await anext(a_deltas)).token_ids == [5]
-        assert (await anext(b_deltas)).token_ids == [9]
+        handle, client, stream, a_deltas, b_deltas = await _two_reading()
         client.abort("a", FinishReason.STOP)  # the stop string matched in these tokens
         await a_deltas.aclose()
         await b_deltas.aclose()
@@ -233,14 +241,7 @@ def test_an_aborted_id_is_let_go_when_its_finished_delta_dies_with_the_stream() 
     after the break, nor any once the stream ends for good."""
 
     async def main() -> None:
-        handle = ScriptedHandle()
-        client = RayControllerClient(handle, EdgeConfig(reconnect_backoff_s=0.001))
-        _, a_deltas = await client.submit([1], PARAMS, "a", 0, "t")
-        _, b_deltas = await client.submit([2], PARAMS, "b", 0, "t")
-        first = await handle.next_stream()
-        first.push([Delta("a", 0, [5], None, 1, 1), Delta("b", 0, [9], None, 1, 1)])
-        assert (await anext(a_deltas)).token_ids == [5]
-        assert (await anext(b_deltas)).token_ids == [9]
+        handle, client, first, a_deltas, b_deltas = await _two_reading()
         client.abort("a", FinishReason.STOP)  # a stop string matched in `a`'s tokens
         await a_deltas.aclose()
         assert client._aborted == {"a"}
