@@ -103,7 +103,9 @@ def test_a_table_measured_under_contention_serves_but_is_not_cached(
         children[-1].wait()
         return quiet_measure(spec)
 
-    section = cal(tmp_path, quiet_wait_s=0.0, max_measure_attempts=2)
+    # Time to see the cores quiet between the tries: a stray busy window on a shared VM
+    # past a zero wait would end the tries after the first.
+    section = cal(tmp_path, quiet_wait_s=30.0, max_measure_attempts=2)
     spec = dataclasses.replace(BASE_SPEC, threads=THREADS)  # no core left free
     first = load_or_calibrate(spec, BASE_IDENTITY, section, SLO_MS, disturbed)
     assert first.is_measured and not first.is_cached and len(calls) == 2
