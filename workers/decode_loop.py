@@ -47,11 +47,12 @@ class Worker(Protocol):
     vocab_size: int
     _config: ModelConfig
     _requests: dict[str, RequestState]
-    _matmul_weight_bytes: int
-    _act_bytes_per_token: int
-    _kv_bytes_per_token: int
 
     def _is_screened(self, sampling_ids: list[str]) -> bool: ...
+
+    def _fixed_bytes(self, num_sampled: int) -> int: ...
+
+    def _token_bytes(self, num_kv_tokens: int, num_query_tokens: int) -> int: ...
 
 
 def loopable(worker: Worker, pending: PendingStep) -> list[str] | None:
@@ -126,13 +127,11 @@ def run_decode_loop(worker: Worker, pending: PendingStep, result: StepResult,
         state.num_computed += num_more
         state.num_output_tokens += num_more
         result.sampled_token_ids[request_id].extend(row_tokens)
-    # `_finish_step`'s bytes, each step: the weights, the logits, each request's KV read
-    # and written and its one token's activations.
-    embed_row = worker._config.hidden_size * worker.dtype.itemsize
-    per_step = (worker._matmul_weight_bytes + num_rows * worker.vocab_size * 4
-                + num_rows * (worker._act_bytes_per_token + embed_row))
+    # `_finish_step`'s bytes, summed over the steps: each step's weights and logits, each
+    # request's KV read and written and its one token's activations.
     kv_tokens = int(seq_lens.sum()) + num_rows * num_more  # read + written, all steps
-    result.bytes_moved += per_step * num_more + kv_tokens * worker._kv_bytes_per_token
+    result.bytes_moved += (worker._fixed_bytes(num_rows) * num_more
+                           + worker._token_bytes(kv_tokens, num_rows * num_more))
     result.num_tokens += num_rows * num_more
     result.elapsed_s += time.perf_counter() - start_s
     return True

@@ -157,7 +157,7 @@ class StepResults:
     ) -> StepResult:
         num_tokens = sum(span.num_query_tokens for span in spans.values())
         result = StepResult(step_id=plan.step_id, elapsed_s=elapsed_s, num_tokens=num_tokens)
-        total_bytes = self._matmul_weight_bytes + len(sampled) * self.vocab_size * 4
+        total_bytes = self._fixed_bytes(len(sampled))
         for request_id, span in spans.items():
             state = self._requests[request_id]
             begin = span.context_len - span.num_query_tokens
@@ -187,11 +187,23 @@ class StepResults:
         result.bytes_moved = total_bytes
         return result
 
+    def _fixed_bytes(self, num_sampled: int) -> int:
+        """A step's bytes whatever its spans: the weights, and the fp32 logits of its
+        `num_sampled` sampling rows."""
+        return self._matmul_weight_bytes + num_sampled * self.vocab_size * 4
+
+    def _token_bytes(self, num_kv_tokens: int, num_query_tokens: int) -> int:
+        """KV read + KV written (`num_kv_tokens` in all) and the activations of
+        `num_query_tokens` new tokens: the bytes model is linear, so one span's, or the sum
+        over any number of spans (the burst loop's, workers/decode_loop.py)."""
+        embed_row = self._config.hidden_size * self.dtype.itemsize
+        return (num_kv_tokens * self._kv_bytes_per_token
+                + num_query_tokens * (self._act_bytes_per_token + embed_row))
+
     def _span_bytes(self, span: SeqSpan) -> int:
         """KV read + KV written + activations of one span (weights excluded)."""
-        kv = (span.context_len + span.num_query_tokens) * self._kv_bytes_per_token
-        embed_row = self._config.hidden_size * self.dtype.itemsize
-        return kv + span.num_query_tokens * (self._act_bytes_per_token + embed_row)
+        return self._token_bytes(span.context_len + span.num_query_tokens,
+                                 span.num_query_tokens)
 
     def _greedy_head(self, wanted: bool) -> GreedyHead | None:
         """The bf16 screen of a CPU fp32 lm_head for greedy rows (`_screen`), where wanted
