@@ -161,7 +161,9 @@ class StepResults:
         for request_id, span in spans.items():
             state = self._requests[request_id]
             begin = span.context_len - span.num_query_tokens
-            span_bytes = self._span_bytes(span)
+            # KV read + KV written + this span's activations (weights excluded)
+            span_bytes = self._token_bytes(span.context_len + span.num_query_tokens,
+                                           span.num_query_tokens)
             total_bytes += span_bytes
             if span.num_query_tokens > 1 or begin < state.num_admitted_tokens:
                 weight_share = self._matmul_weight_bytes * span.num_query_tokens // num_tokens
@@ -199,11 +201,6 @@ class StepResults:
         embed_row = self._config.hidden_size * self.dtype.itemsize
         return (num_kv_tokens * self._kv_bytes_per_token
                 + num_query_tokens * (self._act_bytes_per_token + embed_row))
-
-    def _span_bytes(self, span: SeqSpan) -> int:
-        """KV read + KV written + activations of one span (weights excluded)."""
-        return self._token_bytes(span.context_len + span.num_query_tokens,
-                                 span.num_query_tokens)
 
     def _greedy_head(self, wanted: bool) -> GreedyHead | None:
         """The bf16 screen of a CPU fp32 lm_head for greedy rows (`_screen`), where wanted
