@@ -73,7 +73,10 @@ class TokenflowRunner:
 
         # The GEMM rates in this process: the engine's torch threads, the same load.
         return {**offline_breakdown(self.engine, batch, fresh, self.params),
-                "gemm": measure_gemms(self.folder), "greedy_screen": self.greedy_screen()}
+                "gemm": measure_gemms(self.folder), "greedy_screen": self.greedy_screen(),
+                # Whether the decode GEMM prefetches, as the worker chose at its start
+                # (workers/gemm_prefetch.py: both timed where `auto`).
+                "gemm_prefetch": self.engine.worker.gemm_prefetch}
 
     def greedy_screen(self) -> dict[str, Any] | None:
         """The lm_head's screen the worker runs (workers/greedy_head.py): its GEMM ("onednn",

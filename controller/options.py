@@ -81,11 +81,11 @@ class WorkerConfig:
         "On a CPU fp32 worker whose C++ kernels build, a packed linear layer called with up "
         "to this many rows (a decode step, a few decodes beside a short chunk) runs the "
         "C++ GEMM (workers/kernels/csrc/cpu_gemm.cpp), which prefetches the next block of "
-        "the weight while it computes one: 1.3-1.6x oneDNN's packed kernel at 1-32 rows on "
-        "an AVX-512 Xeon, even at 96, behind it from 128; on AVX2 with FMA (a Zen 3) "
-        "1.2-1.4x at 8-64 rows. Only where the build has AVX-512 or AVX2 with FMA "
-        "(oneDNN's elsewhere). Costs another copy of the layer weights; 0: never (oneDNN's "
-        "kernel or the plain GEMM)."))
+        "the weight while it computes one where `cpu_gemm_prefetch` keeps that: 1.3-1.6x "
+        "oneDNN's packed kernel at 1-32 rows on an AVX-512 Xeon, even at 96, behind it "
+        "from 128; on AVX2 with FMA (a Zen 3) 1.2-1.4x at 8-64 rows. Only where the build "
+        "has AVX-512 or AVX2 with FMA (oneDNN's elsewhere). Costs another copy of the layer "
+        "weights; 0: never (oneDNN's kernel or the plain GEMM)."))
     cpu_fused_layers: bool = setting(True, description=(
         "On a CPU fp32 or bf16 worker whose C++ kernels build, the residual add + RMSNorm, "
         "rotary and SiLU-and-mul run as one C++ pass each (workers/kernels/csrc/cpu_layers.cpp) "
@@ -119,6 +119,14 @@ class WorkerConfig:
         "(workers/decode_stack.py) instead of the Python layer loop: the same kernels in the "
         "same order, bit-equal hidden states, without ~15 Python dispatches a layer. False: "
         "the loop."))
+    cpu_gemm_prefetch: Literal["auto", "on", "off"] = setting("auto", description=(
+        "Whether the C++ decode GEMM (`cpu_decode_gemm_max_rows`) prefetches its weight's "
+        "next block into L2 while it computes one (and a decode step's next GEMM's first): "
+        "auto times both on the worker's own weights at its start, 32 rows, and keeps the "
+        "faster (workers/gemm_prefetch.py; ~0.1 s on builtin:bench). Which wins is the "
+        "machine's: on a 2-core Xeon the prefetches took the 40 GEMMs from 7.8-8.3 to "
+        "7.0-7.5 ms, on a 2-core Zen 4 host from 9.0 to 9.9. Results are the same either "
+        "way; process-wide (the last worker built in a process sets it)."))
     cpu_bind_threads: bool = setting(True, description=(
         "A CPU worker actor whose torch threads are as many as the cores it may run on pins "
         "thread t to the t-th of them (as vLLM's CPU build binds its threads), so the "

@@ -1,17 +1,20 @@
 """What a CPU worker sets up beside its model (the CPU fields of `RunOptions`): oneDNN-packed
 linear weights, the C++ elementwise layers, a decode-only step's layers as one C++ call over
-its KV cache, and glibc's allocator told to keep freed memory.
+its KV cache, the decode GEMM's prefetch (timed), and glibc's allocator told to keep freed
+memory.
 Each is a no-op where it does not apply (CUDA, another dtype, kernels that did not build)."""
 
 from __future__ import annotations
 
 import ctypes
 import logging
+from typing import Any, cast
 
 import torch
 
 from workers.attention import KVCache
 from workers.decode_stack import DecodeStack
+from workers.gemm_prefetch import GemmPrefetch, choose_prefetch
 from workers.models.llama import LlamaForCausalLM
 from workers.sections import RunOptions
 
@@ -56,9 +59,11 @@ def bind_threads_to_cores() -> list[int]:
 
 
 def prepare_cpu(model: LlamaForCausalLM, run: RunOptions, device: torch.device,
-                attention_backend: str, kv_caches: list[KVCache]) -> None:
+                attention_backend: str, kv_caches: list[KVCache]) -> dict[str, Any] | None:
+    """-> the decode GEMM's prefetch as chosen (`choose_prefetch`), None where the model
+    has no decode GEMM copies or the device is not a CPU."""
     if device.type != "cpu":
-        return
+        return None
     if run.keep_freed_memory and not keep_freed_memory():
         log.info("glibc's mallopt is not available: freed memory goes back to the system")
     if run.packing is not None:
@@ -71,3 +76,4 @@ def prepare_cpu(model: LlamaForCausalLM, run: RunOptions, device: torch.device,
         model.cpu_layers = cpu_ops()  # None where they did not build: the torch operators
     if run.decode_stack and model.runs_cpu_layers(model.lm_head.weight.dtype, device):
         model.decode_stack = DecodeStack.build(model, kv_caches)  # None where it cannot run
+    return choose_prefetch(model, cast(GemmPrefetch, run.gemm_prefetch))

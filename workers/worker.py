@@ -57,7 +57,7 @@ def build_worker(section: WorkerSection, cache: CacheSection) -> Worker:
                         section.max_graph_batch, packing_policy(section),
                         section.cpu_fused_layers, section.cpu_keep_freed_memory,
                         section.cpu_sampled_last_layer, section.cpu_greedy_screen,
-                        section.cpu_decode_stack))
+                        section.cpu_decode_stack, section.cpu_gemm_prefetch))
     if section.check_kv_provenance:
         worker.kv_provenance = KVProvenance(cache.block_size)
     if section.telemetry:
@@ -107,12 +107,12 @@ class Worker(StepResults):
         self.kv_caches = allocate_kv_cache(
             cfg.num_hidden_layers, num_kv_blocks, block_size, cfg.num_key_value_heads,
             cfg.head_dim, self.dtype, self.device)
-        prepare_cpu(self.model, run, self.device, attention_backend, self.kv_caches)  # or no-op
+        self.gemm_prefetch = prepare_cpu(  # the decode GEMM's prefetch as chosen, or None
+            self.model, run, self.device, attention_backend, self.kv_caches)
         self.backend = make_backend(
             attention_backend, num_heads=cfg.num_attention_heads,
             num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, dtype=self.dtype,
-            device=self.device,
-        )
+            device=self.device)
         self._staging = HostStaging(self.device)
         # The forward of a step: on CUDA with the Triton backend the fused layers
         # (workers/kernels), elsewhere the model's own (the CPU path, token-exact).

@@ -19,11 +19,18 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <utility>
 
 #include "cpu_vec.h"
 
 namespace {
+
+// Whether the decode GEMM prefetches (its next block, the next GEMM's first): process-wide,
+// set once at a worker's start (workers/gemm_prefetch.py times both). Hardware prefetchers
+// differ: on a 2-core Xeon the prefetches took the 40 GEMMs from 7.8-8.3 to 7.0-7.5 ms; on a
+// 2-core Zen 4 (the eighth session of 2026-12-07) they took them from 9.0 to 9.9.
+std::atomic<bool> g_prefetch{true};
 
 constexpr int64_t kBlock = 2 * kWidth;  // outputs per block: two registers
 // Most rows per tile: 2 x kTileRows accumulators, a weight pair and a broadcast in registers
@@ -100,21 +107,23 @@ torch::Tensor decode_linear_then(torch::Tensor x, torch::Tensor packed,
   const float* xp = x.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  const bool prefetch = g_prefetch.load(std::memory_order_relaxed);
   const bool has_next = next != nullptr;
   TORCH_CHECK(!has_next || (next->dim() == 3 && next->size(2) == kBlock &&
                             next->scalar_type() == torch::kFloat32 && next->is_contiguous()),
               "next: a packed fp32 weight [N / block, K, block]");
-  const float* np = has_next ? next->data_ptr<float>() : nullptr;
-  const int64_t next_k = has_next ? next->size(1) : 0;
+  const bool fetch_next = prefetch && has_next;
+  const float* np = fetch_next ? next->data_ptr<float>() : nullptr;
+  const int64_t next_k = fetch_next ? next->size(1) : 0;
   for_each_row_tile(m, num_blocks, kTileRows, [&](int64_t b, int64_t r0, int64_t rows,
                                                   const Prefetch& p) {
     const float* w = wp + b * k_len * kBlock;
     const int64_t len = p.next_weight ? next_k : k_len;
-    const float* pf = p.block < 0 ? nullptr
+    const float* pf = p.block < 0 || !prefetch ? nullptr
         : (p.next_weight ? np : wp) + p.block * len * kBlock;
     kTiles[rows - 1](xp + r0 * k_len, k_len, w, yp + r0 * n + b * kBlock, n, pf,
                      p.begin(len), p.end(len));
-  }, has_next ? next->size(0) : 0);
+  }, fetch_next ? next->size(0) : 0);
   if (bias.has_value()) y.add_(*bias);
   return y;
 }
@@ -125,6 +134,10 @@ torch::Tensor decode_linear(torch::Tensor x, torch::Tensor packed,
 }
 
 int64_t decode_gemm_block() { return kBlock; }
+
+void set_decode_gemm_prefetch(bool on) { g_prefetch.store(on, std::memory_order_relaxed); }
+
+bool decode_gemm_prefetch() { return g_prefetch.load(std::memory_order_relaxed); }
 
 // Measured faster than oneDNN's packed kernel with AVX-512 (a 2-core Xeon, Zen 4) and with
 // AVX2 + FMA (a 2-core Zen 3, the builtin:bench weights: 1.4x at 8 rows, 1.3x at 32, 1.1x at
@@ -142,5 +155,8 @@ void register_gemm_ops(pybind11::module& m) {
   m.def("decode_linear", &decode_linear, "x @ w^T at a decode step's few rows (CPU fp32)",
         pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("bias") = pybind11::none());
   m.def("decode_gemm_block", &decode_gemm_block, "outputs per packed block (N's multiple)");
+  m.def("set_decode_gemm_prefetch", &set_decode_gemm_prefetch,
+        "whether the decode GEMM prefetches its weights' next blocks (process-wide)");
+  m.def("decode_gemm_prefetch", &decode_gemm_prefetch, "the decode GEMM's prefetch setting");
   m.def("decode_gemm_preferred", &decode_gemm_preferred, "whether the worker uses it here");
 }
