@@ -122,7 +122,8 @@ class WorkerConfig:
     cpu_gemm_prefetch: Literal["auto", "on", "off"] = setting("auto", description=(
         "Whether the C++ decode GEMM (`cpu_decode_gemm_max_rows`) prefetches its weight's "
         "next block into L2 while it computes one (and a decode step's next GEMM's first): "
-        "auto times both on the worker's own weights at its start, 32 rows, and keeps the "
+        "auto times both on the worker's own weights (their first 128 MB) at its start, 32 "
+        "rows, and keeps the "
         "faster (workers/gemm_prefetch.py; ~0.1 s on builtin:bench). Which wins is the "
         "machine's: on a 2-core Xeon the prefetches took the 40 GEMMs from 7.8-8.3 to "
         "7.0-7.5 ms, on a 2-core Zen 4 host from 9.0 to 9.9. Results are the same either "

@@ -26,22 +26,32 @@ log = logging.getLogger(__name__)
 
 GemmPrefetch = Literal["auto", "on", "off"]
 TIMING_ROWS = 32  # a decode step's rows, as the greedy screen is timed (greedy_head.py)
+# The weights timed: the step's first ones up to this many bytes (at least one). All of
+# builtin:bench's 96 MB (past a 32 MB L3, so they stream as in a step); a larger model's
+# whole step would make the 12 passes cost seconds of its start.
+TIMING_MAX_BYTES = 128 << 20
 # Timed passes of each setting, interleaved, after one untimed pass each; each setting's
 # fastest pass counts: the VM's stolen time (bursts of 100-230 ms) only ever adds to a pass,
 # and with medians of 3 one worker start in ~7 had kept the slower setting on a Zen 4.
 TIMING_REPS = 5
 
 
-def decode_weights(model: Any) -> list[Tensor]:
+def decode_weights(model: Any, max_bytes: int = TIMING_MAX_BYTES) -> list[Tensor]:
     """The decode GEMM copies of the model's linear layers, in the order a decode step runs
-    them (per layer q/k/v, o, gate, up, down); [] where a layer has none."""
-    weights = []
+    them (per layer q/k/v, o, gate, up, down), the first ones up to `max_bytes` (at least
+    one); [] where a layer has none."""
+    weights: list[Tensor] = []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
             if not isinstance(linear, PackedLinear) or linear.decode_packed is None:
                 return []
             weights.append(linear.decode_packed)
+    total = 0
+    for count, weight in enumerate(weights):
+        total += weight.numel() * weight.element_size()
+        if total > max_bytes and count > 0:
+            return weights[:count]
     return weights
 
 

@@ -86,6 +86,12 @@ def test_auto_keeps_the_faster_setting(checkpoint, monkeypatch):
     weights = gemm_prefetch.decode_weights(worker.model)
     assert len(weights) == 3 * 5  # q/k/v, o, gate, up, down of each layer, in step order
     assert weights[0] is worker.model.model.layers[0].self_attn.qkv_proj.decode_packed
+    # A byte cap keeps the step's first weights (at least one): a large model's start does
+    # not time its whole step 12 times.
+    sizes = [w.numel() * w.element_size() for w in weights]
+    capped = gemm_prefetch.decode_weights(worker.model, max_bytes=sizes[0] + sizes[1])
+    assert [w is v for w, v in zip(capped, weights[:2], strict=True)] == [True, True]
+    assert len(gemm_prefetch.decode_weights(worker.model, max_bytes=1)) == 1
     timed: list[int] = []
     for faster, timings in (("off", {"on": 2.0, "off": 1.0}), ("on", {"on": 1.0, "off": 2.0}),
                             ("on", {"on": 1.0, "off": 1.0})):  # a tie keeps the prefetches
