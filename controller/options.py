@@ -119,15 +119,18 @@ class WorkerConfig:
         "(workers/decode_stack.py) instead of the Python layer loop: the same kernels in the "
         "same order, bit-equal hidden states, without ~15 Python dispatches a layer. False: "
         "the loop."))
-    cpu_gemm_prefetch: Literal["auto", "on", "off"] = setting("auto", description=(
+    cpu_gemm_prefetch: Literal["auto", "on", "off"] = setting("on", description=(
         "Whether the C++ decode GEMM (`cpu_decode_gemm_max_rows`) prefetches its weight's "
         "next block into L2 while it computes one (and a decode step's next GEMM's first): "
         "auto times both on the worker's own weights (their first 128 MB) at its start, 32 "
         "rows, and keeps the "
         "faster (workers/gemm_prefetch.py; ~0.1 s on builtin:bench). Which wins is the "
         "machine's: on a 2-core Xeon the prefetches took the 40 GEMMs from 7.8-8.3 to "
-        "7.0-7.5 ms, on a 2-core Zen 4 host from 9.0 to 9.9. Results are the same either "
-        "way; process-wide (the last worker built in a process sets it)."))
+        "7.0-7.5 ms, on a 2-core Zen 4 host from 9.0 to 9.9, where LocalEngine ran 3-4 % "
+        "faster offline without them; but served there, without them the peer scene's long "
+        "prompt took 4.10-4.62 s against 3.43 with (vLLM's 3.46-3.96), so on by default. "
+        "Results are the same either way; process-wide (the last worker built in a process "
+        "sets it)."))
     cpu_bind_threads: bool = setting(True, description=(
         "A CPU worker actor whose torch threads are as many as the cores it may run on pins "
         "thread t to the t-th of them (as vLLM's CPU build binds its threads), so the "

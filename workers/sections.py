@@ -32,7 +32,7 @@ class RunOptions:
     sampled_last_layer: bool = True  # CPU fp32/bf16: last layer on sampled rows (sampled_rows.py)
     greedy_screen: bool = True  # CPU fp32: greedy ids from a lm_head screen (greedy_head.py)
     decode_stack: bool = True  # CPU fp32: a decode-only step's layers in one C++ call
-    gemm_prefetch: str = "auto"  # CPU fp32: the decode GEMM's prefetch (workers/gemm_prefetch.py)
+    gemm_prefetch: str = "on"  # CPU fp32: the decode GEMM's prefetch (workers/gemm_prefetch.py)
 
 
 class WorkerSection(Protocol):
