@@ -1,13 +1,16 @@
-"""Whether the C++ decode GEMM prefetches its weights (`worker.cpu_gemm_prefetch`), chosen by
-timing both on the worker's own weights at its start.
+"""Whether the C++ decode GEMM prefetches its weights (`worker.cpu_gemm_prefetch`): on (the
+default) or off as told, or (`auto`) the faster of both timed on the worker's own weights at
+its start.
 
-Why timed: the GEMM's software prefetches (each block prefetches the next one into L2 while it
+Why a setting: the GEMM's software prefetches (each block prefetches the next one into L2 while it
 computes, a thread's last block the next GEMM's first: workers/kernels/csrc/cpu_gemm.cpp) race
 the CPU's own prefetchers, and which wins is the machine's. On a 2-core Xeon they took
 builtin:bench's 40 decode GEMMs at 32 rows from 7.8-8.3 to 7.0-7.5 ms; on a 2-core Zen 4
 (the eighth session of 2026-12-07) the stack's GEMMs ran 9.0 ms a step without them
 against 9.9 with (offline 1,033 against 990 tok/s, 8 interleaved rounds), where an earlier
-Zen 4 host had gained from them. Prefetches change no result: only the time.
+Zen 4 host had gained from them. Yet served on that same Zen 4 the peer scene's long prompt
+took 4.10-4.62 s without them against 3.43 with (docs/peer.md), so they stay on by default.
+Prefetches change no result: only the time.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@
 namespace {
 
 // Whether the decode GEMM prefetches (its next block, the next GEMM's first): process-wide,
-// set once at a worker's start (workers/gemm_prefetch.py times both). Hardware prefetchers
+// set at a worker's start (on by default; workers/gemm_prefetch.py). Hardware prefetchers
 // differ: on a 2-core Xeon the prefetches took the 40 GEMMs from 7.8-8.3 to 7.0-7.5 ms; on a
 // 2-core Zen 4 (the eighth session of 2026-12-07) they took them from 9.0 to 9.9.
 std::atomic<bool> g_prefetch{true};
