@@ -14,19 +14,18 @@ from pydantic import ValidationError
 
 from cluster.config import TokenflowConfig
 from tests.workers.helpers import Driver, build_hf_checkpoint, random_ids
+
+# The decode stack's tests' skip (no C++ decode GEMM here), kernels, packing policy (every
+# linear with its decode copy up to 8 rows: decode steps run the stack) and prompts.
+from tests.workers.test_decode_stack import (  # noqa: F401  (pytestmark: pytest reads it)
+    OPS,
+    POLICY,
+    PROMPTS,
+    pytestmark,
+)
 from workers import gemm_prefetch
-from workers.kernels.cpu_ops import cpu_ops
 from workers.sections import PackPolicy
 from workers.worker import RunOptions, Worker
-
-OPS = cpu_ops()
-pytestmark = pytest.mark.skipif(
-    OPS is None or not OPS.decode_gemm_preferred(),
-    reason="the CPU kernels or their decode GEMM are not built for this CPU")
-
-# Every linear packed with its C++ decode copy up to 8 rows: the decode steps run the stack.
-POLICY = PackPolicy(min_rows=1, min_elements=1, any_rows_elements=1, decode_max_rows=8)
-PROMPTS = {"r0": 5, "r1": 40, "r2": 77}
 
 
 @pytest.fixture(scope="module")
