@@ -47,6 +47,7 @@ class Spec(_Part):
     matmul_size: PosInt
     bandwidth_bytes: PosInt
     memory_fraction: Fraction
+    agree_within: NonNeg = 0.0  # tables measured before it ran every point iters times
 
 
 class ModelStats(_Part):

@@ -17,7 +17,10 @@ Timing runs in interleaved rounds (every round runs every point once, `sweep`): 
 point's first `warmup` runs are discarded (a cold run measures caches and clocks, not the
 step), the mean (and median, std) of the next `iters` kept. A prefill point's first run (its
 admission) is never timed and counts as its first warm-up run. The GEMM and copy probes keep
-their best run, so they run no warm-up at all (another process only ever slows a run).
+their best run, so they run no warm-up at all (another process only ever slows a run). With
+`agree_within` (the short calibration), a point or probe whose first two kept runs agree
+stops there, and one whose warm-up run agrees with its first kept run keeps both and stops;
+one that disagrees runs on to `iters`.
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ class CalibrationSpec:
     matmul_size: int  # GEMM edge of the peak-FLOPs probe
     bandwidth_bytes: int  # buffer of the bandwidth probe (far above the last-level cache)
     memory_fraction: float
+    agree_within: float = 0.0  # stop after two kept runs that agree this closely; 0: never
 
     @classmethod
     def of(cls, grid: CalibrationConfig, *, model: str, dtype: str, device: str,
@@ -77,7 +81,8 @@ class CalibrationSpec:
                    prefill_tokens=tile_grid(math.lcm(block_size, tile_tokens), grid.max_tokens),
                    contexts=grid.contexts, decode_batches=grid.decode_batches,
                    decode_contexts=grid.decode_contexts, matmul_size=grid.matmul_size,
-                   bandwidth_bytes=grid.bandwidth_bytes, memory_fraction=grid.memory_fraction)
+                   bandwidth_bytes=grid.bandwidth_bytes, memory_fraction=grid.memory_fraction,
+                   agree_within=grid.agree_within)
 
     @property
     def num_kv_blocks(self) -> int:
@@ -183,6 +188,11 @@ def size_grid(spec: CalibrationSpec, guess: StepGuess, max_model_len: int,
     return spec
 
 
+def runs_agree(values: list[float], within: float) -> bool:
+    """Two or more runs, the slowest at most `within` over the fastest (`within` > 0)."""
+    return within > 0 and len(values) >= 2 and max(values) <= min(values) * (1 + within)
+
+
 def relative_iqr(values: list[float]) -> float:
     """(p75 - p25) / median: the spread of a measurement, robust to a stolen-time burst."""
     if len(values) < 2:
@@ -211,6 +221,8 @@ class Calibrator:
         self.worker = worker
         self._steps = 0
         self._admitted: set[str] = set()  # request ids the worker holds for the sweep
+        # (tokens, context) -> the prefill point's admission run: its first warm-up run.
+        self.admission_runs: dict[tuple[int, int], tuple[float, int]] = {}
 
     # -- timing ---------------------------------------------------------------------------
     def _plan(self, **fields: object) -> StepPlan:
@@ -229,6 +241,7 @@ class Calibrator:
             new_requests=[NewRequestData(rid, ids, _PARAMS, blocks, context)], **sched))
         assert first.num_tokens == tokens and not first.sampled_token_ids[rid]
         self._admitted.add(rid)
+        self.admission_runs[tokens, context] = (first.elapsed_s, first.bytes_moved)
 
         def run() -> tuple[float, int]:
             again = CachedRequestData(rid, [], context)
@@ -255,21 +268,37 @@ class Calibrator:
 
         return run
 
-    def sweep(self, runs: list[Run], bar: tqdm | None = None,
-              num_admitted: int = 0) -> list[dict[str, float]]:
+    def sweep(self, runs: list[Run], bar: tqdm | None = None, num_admitted: int = 0,
+              admission_runs: list[tuple[float, int]] | None = None) -> list[dict[str, float]]:
         """Interleaved rounds: every round runs every point once; the first `warmup` rounds
         are discarded. On a shared machine a burst of background load then spreads over all
         points instead of bending the curve at whichever point it hit. The first
-        `num_admitted` runs already ran once (their admission): that was their first warm-up
-        run, so they sit out the first warm-up round (on a 2-core CPU the quick grid's
-        first start saved ~3 s of ~17 by it)."""
+        `num_admitted` runs already ran once (their admission, `admission_runs` where
+        given): that was their first warm-up run, so they sit out the first warm-up round
+        (on a 2-core CPU the quick grid's first start saved ~3 s of ~17 by it).
+
+        With `agree_within`: a point whose first two kept runs agree sits out the later
+        rounds, and a point whose last warm-up run agrees with its first kept run keeps both
+        (it was warm: a cold first run would have disagreed) and sits out the rest."""
+        spec, within = self.spec, self.spec.agree_within
         samples: list[list[tuple[float, int]]] = [[] for _ in runs]
-        for round_index, index in sweep_order(self.spec, len(runs), num_admitted):
-            sample = runs[index]()
-            if round_index >= self.spec.warmup:
-                samples[index].append(sample)
+        last_warm: list[tuple[float, int] | None] = [None] * len(runs)
+        if spec.warmup == 1 and admission_runs is not None:
+            last_warm[:num_admitted] = admission_runs[:num_admitted]
+        for round_index, index in sweep_order(spec, len(runs), num_admitted):
+            kept = samples[index]
             if bar is not None:
                 bar.update()
+            if runs_agree([t for t, _ in kept], within):
+                continue
+            sample = runs[index]()
+            if round_index < spec.warmup:
+                last_warm[index] = sample
+                continue
+            warm = last_warm[index]
+            if not kept and warm is not None and runs_agree([warm[0], sample[0]], within):
+                kept.append(warm)
+            kept.append(sample)
         self.worker.execute(self._plan(finished_request_ids=set(self._admitted)))
         self._admitted.clear()
         stats = []
@@ -287,10 +316,18 @@ class Calibrator:
         not the mean: these are peaks, and on a shared machine another process only ever
         slows a run, so the best run is the one that repeats."""
         spec, device = self.spec, self.worker.device
-        flops = matmul_flops_runs(self.worker.dtype, size=spec.matmul_size,
-                                  warmup=0, iters=spec.iters, device=device)
-        bandwidth = bandwidth_runs(nbytes=spec.bandwidth_bytes, warmup=0,
-                                   iters=spec.iters, device=device)
+
+        def best_runs(probe: Callable[[int], list[float]]) -> list[float]:
+            first = min(spec.iters, 2) if spec.agree_within > 0 else spec.iters
+            runs = probe(first)
+            if len(runs) < spec.iters and not runs_agree(runs, spec.agree_within):
+                runs += probe(spec.iters - len(runs))
+            return runs
+
+        flops = best_runs(lambda iters: matmul_flops_runs(
+            self.worker.dtype, size=spec.matmul_size, warmup=0, iters=iters, device=device))
+        bandwidth = best_runs(lambda iters: bandwidth_runs(
+            nbytes=spec.bandwidth_bytes, warmup=0, iters=iters, device=device))
         return ({"peak_flops": max(flops), "memory_bandwidth": max(bandwidth)},
                 {"peak_flops": relative_iqr(flops), "memory_bandwidth": relative_iqr(bandwidth)})
 
@@ -413,7 +450,8 @@ class Calibrator:
         # (recent steps alone swing between the smallest and the largest point).
         with tqdm(total=num_runs, desc="calibrate", unit="step", smoothing=0,
                   disable=not self.progress) as bar:
-            stats = self.sweep(runs, bar, num_admitted=len(points))
+            stats = self.sweep(runs, bar, num_admitted=len(points),
+                               admission_runs=[self.admission_runs[p] for p in points])
         prefill = [{"tokens": t, "context": c, **{k: v for k, v in st.items() if k != "iqr"}}
                    for (t, c), st in zip(points, stats, strict=False)]
         noise = {"prefill_time": _median([st["iqr"] for st in stats[:len(points)]]),

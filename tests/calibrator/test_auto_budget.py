@@ -49,7 +49,8 @@ SPEC_CHANGES: dict[str, Any] = {
     "model": "/models/other", "dtype": "bfloat16", "device": "cuda", "threads": 2,
     "block_size": 32, "tile_tokens": 32, "warmup": 2, "iters": 4, "prefill_tokens": (16, 32),
     "contexts": (0,), "decode_batches": (1, 4), "decode_contexts": (64, 512),
-    "matmul_size": 512, "bandwidth_bytes": 2**20, "memory_fraction": 0.5}
+    "matmul_size": 512, "bandwidth_bytes": 2**20, "memory_fraction": 0.5,
+    "agree_within": 0.0}
 IDENTITY_CHANGES = {"model_config_sha256": "1" * 64, "device_name": "cpu Example 9001",
                     "attention_backend": "TritonBackend", "chunk_kernel": "False",
                     "cuda_graphs": "True", "torch": "2.0.1", "cpu_kernels": "1" * 16}

@@ -136,3 +136,71 @@ def test_an_admitted_point_counts_its_admission_as_a_warm_up_run(warmup: int) ->
             for name in ("prefill", "decode")}
     assert [s["median_s"] for s in stats] == [kept["prefill"][1], kept["decode"][1]]
     assert finished == [{"finished_request_ids": {"prefill"}}]  # released once, at the end
+
+
+def _scripted_sweep(spec: CalibrationSpec, times: dict[str, list[float]],
+                    admission: float | None) -> tuple[list[dict[str, float]], list[str]]:
+    """`Calibrator.sweep` over a prefill point (admitted, its admission taking `admission`
+    seconds) and a decode point, each run taking the next of its scripted times."""
+    order: list[str] = []
+
+    def point(name: str) -> Callable[[], tuple[float, int]]:
+        script = iter(times[name])
+
+        def run() -> tuple[float, int]:
+            order.append(name)
+            return next(script), 0
+        return run
+
+    calibrator = SimpleNamespace(
+        spec=spec, _admitted={"prefill"}, _plan=lambda **fields: fields,
+        worker=SimpleNamespace(execute=lambda plan: None))
+    stats = Calibrator.sweep(calibrator, [point("prefill"), point("decode")],  # type: ignore[arg-type]
+                             num_admitted=1,
+                             admission_runs=None if admission is None else [(admission, 0)])
+    return stats, order
+
+
+def test_runs_that_agree_stop_early_and_a_burst_or_a_cold_run_runs_on() -> None:
+    """With agree_within (the short calibration): a warm prefill point (its admission
+    agrees with its first kept run) runs once in the sweep; a decode point with a cold
+    warm-up run keeps its next two, which agree; a burst in a kept run gets a third run
+    and the median drops it."""
+    spec = dataclasses.replace(FULL, warmup=1, iters=3, agree_within=0.05)
+    stats, order = _scripted_sweep(
+        spec, {"prefill": [1.02, 9.0, 9.0], "decode": [2.0, 1.0, 1.03, 9.0]}, admission=1.0)
+    assert order.count("prefill") == 1 and order.count("decode") == 3
+    assert stats[0]["median_s"] == pytest.approx(1.01)  # admission and first kept run
+    assert stats[1]["median_s"] == pytest.approx(1.015)  # the cold 2.0 s dropped
+    stats, order = _scripted_sweep(
+        spec, {"prefill": [1.3, 1.0, 1.01], "decode": [1.0, 1.5, 1.0, 1.01]}, admission=1.0)
+    assert order.count("prefill") == 3 and order.count("decode") == 4
+    assert stats[0]["median_s"] == 1.01 and stats[1]["median_s"] == 1.01  # bursts dropped
+    # Without it, every point runs warmup + iters times, as before.
+    stats, order = _scripted_sweep(
+        dataclasses.replace(spec, agree_within=0.0),
+        {"prefill": [1.0, 1.0, 1.0], "decode": [1.0, 1.0, 1.0, 1.0]}, admission=1.0)
+    assert order.count("prefill") == 3 and order.count("decode") == 4
+
+
+def test_the_probes_stop_at_two_runs_that_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GEMM and copy probes keep their best run: two that agree are enough, two that
+    do not run on to iters."""
+    import workers.calibrate as calibrate
+
+    asked: dict[str, list[int]] = {"gemm": [], "copy": []}
+    script = {"gemm": iter([[100.0, 101.0]]), "copy": iter([[10.0, 15.0], [16.0]])}
+
+    def probe(name: str) -> Callable[..., list[float]]:
+        def runs(*args: object, iters: int, **kwargs: object) -> list[float]:
+            asked[name].append(iters)
+            return next(script[name])
+        return runs
+
+    monkeypatch.setattr(calibrate, "matmul_flops_runs", probe("gemm"))
+    monkeypatch.setattr(calibrate, "bandwidth_runs", probe("copy"))
+    spec = dataclasses.replace(FULL, iters=3, agree_within=0.05)
+    calibrator = SimpleNamespace(spec=spec, worker=SimpleNamespace(dtype=None, device="cpu"))
+    peaks, _ = Calibrator.hardware(calibrator)  # type: ignore[arg-type]
+    assert asked == {"gemm": [2], "copy": [2, 1]}
+    assert peaks == {"peak_flops": 101.0, "memory_bandwidth": 16.0}
