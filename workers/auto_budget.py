@@ -154,7 +154,10 @@ def worker_identity(worker: Worker) -> dict[str, str]:
                 # Whether chunks run the C++ kernel or SDPA (bf16 chooses by the CPU).
                 "chunk_kernel": str(getattr(worker.backend, "chunk_kernel", None) is not None),
                 "cuda_graphs": str(worker.graphs is not None),
-                "torch": torch.__version__}
+                # A plain str: torch.__version__ is torch's TorchVersion, and unpickling the
+                # answer in the controller then imported torch there (2 s on a 2-core Zen 1,
+                # on a first start's path to ready; ~200 MB).
+                "torch": str(torch.__version__)}
     if worker.device.type == "cpu":
         from workers.kernels.cpu_ops import source_digest
 

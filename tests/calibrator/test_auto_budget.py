@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import pickle
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -223,6 +226,24 @@ def test_engine_measures_on_its_own_worker_once(tmp_path: Path,
     prompts = [[1, 2, 3, 4, 5], list(range(7, 60))]
     assert [c.output_token_ids for c in engine.generate(prompts, params)] == \
         [c.output_token_ids for c in fixed.generate(prompts, params)]
+
+
+def test_the_answer_to_the_controller_unpickles_without_torch(tmp_path: Path,
+                                                             table_path: Path) -> None:
+    """The controller imports no torch code: worker 0's budget answer must not make it.
+    It did (`torch.__version__` in the cache key is torch's own str subclass): the
+    controller's loop then stalled ~2 s importing torch on a first start's path to ready."""
+    worker = Worker("builtin:tiny", num_kv_blocks=640, block_size=16)
+    request = TokenflowConfig(calibration={"auto": True, "cache_dir": tmp_path}).auto_budget()
+    assert request is not None
+    _, measure = fake_measure(table_path)
+    answer = pickle.dumps(worker_budget_table(worker, "builtin:tiny", "float32", request,
+                                              measure=measure))
+    check = ("import pickle, sys; result = pickle.loads(sys.stdin.buffer.read()); "
+             "assert result.data['cache_key']['identity']['torch']; "
+             "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", check], input=answer, check=True, timeout=120,
+                   cwd=Path(__file__).resolve().parents[2])
 
 
 def test_controller_asks_worker_0_before_it_schedules(table_path: Path) -> None:
