@@ -107,7 +107,8 @@ def make_spec(args: argparse.Namespace, cfg: TokenflowConfig) -> Any:
 def measure(spec: Any, cfg: TokenflowConfig, itl_slo_ms: float | None, progress: bool,
             sized: bool = False) -> BudgetTable:
     """`spec` measured and fitted; `sized`: cut to calibration.max_duration_s first."""
-    from workers.calibrate import Calibrator, GridSizing
+    from workers.calibrate import Calibrator
+    from workers.calibration_grid import GridSizing
 
     cal = cfg.calibration
     sizing = GridSizing(cal.max_duration_s, cal.min_iters, cal.min_chunk_sizes) \

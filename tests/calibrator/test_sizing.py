@@ -17,9 +17,8 @@ from cluster.config import TokenflowConfig
 from controller.budget import BudgetTable
 from tests.calibrator.conftest import SMALL_RUN
 from workers.budget_file import load_budget_table
-from workers.calibrate import (
-    CalibrationSpec,
-    Calibrator,
+from workers.calibrate import CalibrationSpec, Calibrator
+from workers.calibration_grid import (
     GridSizing,
     StepGuess,
     prefill_points,
