@@ -33,7 +33,8 @@ from typing import Any
 from cluster.budget_plot import plot_table
 from cluster.config import TokenflowConfig
 from controller.budget import BudgetTable
-from workers.calibrate import CalibrationSpec, Calibrator, tile_grid
+from workers.calibrate import Calibrator
+from workers.calibration_grid import CalibrationSpec, tile_grid
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL, QUICK_MODEL = "builtin:bench", "builtin:tiny"  # --quick: a smoke run of seconds

@@ -55,7 +55,8 @@ from cluster.config import TokenflowConfig
 from cluster.engine import LocalEngine
 from controller.budget import BudgetTable
 from controller.policies import POLICIES
-from workers.calibrate import CalibrationSpec, Calibrator, tile_grid
+from workers.calibrate import Calibrator
+from workers.calibration_grid import CalibrationSpec, tile_grid
 from workers.presets import resolve_model
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -26,23 +26,23 @@ one that disagrees runs on to `iters`.
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from controller.budget import SCHEMA_VERSION
-from controller.calibration import CalibrationConfig
 from controller.messages import CachedRequestData, NewRequestData, SamplingParams, StepPlan
 from workers.calibration_grid import (
+    CalibrationSpec,
     GridSizing,
     StepGuess,
+    _blocks,
     decode_points,
     prefill_points,
     relative_iqr,
@@ -59,68 +59,12 @@ _PARAMS = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 Run = Callable[[], tuple[float, int]]  # one step: (worker-reported seconds, bytes moved)
 
 
-@dataclass(frozen=True)
-class CalibrationSpec:
-    """What to measure; stored in the JSON so `--check` repeats exactly this."""
-
-    model: str
-    dtype: str
-    device: str
-    block_size: int
-    tile_tokens: int
-    warmup: int
-    iters: int
-    threads: int | None  # torch CPU threads; None keeps torch's default
-    prefill_tokens: tuple[int, ...]
-    contexts: tuple[int, ...]
-    decode_batches: tuple[int, ...]
-    decode_contexts: tuple[int, ...]  # two or more, or a decode's per-pair cost is unknown
-    matmul_size: int  # GEMM edge of the peak-FLOPs probe
-    bandwidth_bytes: int  # buffer of the bandwidth probe (far above the last-level cache)
-    memory_fraction: float
-    agree_within: float = 0.0  # stop after two kept runs that agree this closely; 0: never
-
-    @classmethod
-    def of(cls, grid: CalibrationConfig, *, model: str, dtype: str, device: str,
-           block_size: int, tile_tokens: int, threads: int | None) -> CalibrationSpec:
-        """`grid` on one worker; chunks on the grid of lcm(block size, tile)."""
-        return cls(model=model, dtype=dtype, device=device, block_size=block_size,
-                   tile_tokens=tile_tokens, warmup=grid.warmup, iters=grid.iters,
-                   threads=threads,
-                   prefill_tokens=tile_grid(math.lcm(block_size, tile_tokens), grid.max_tokens),
-                   contexts=grid.contexts, decode_batches=grid.decode_batches,
-                   decode_contexts=grid.decode_contexts, matmul_size=grid.matmul_size,
-                   bandwidth_bytes=grid.bandwidth_bytes, memory_fraction=grid.memory_fraction,
-                   agree_within=grid.agree_within)
-
-    @property
-    def num_kv_blocks(self) -> int:
-        """KV blocks the largest prefill point or decode batch needs at once."""
-        max_len = max(t + c for t in self.prefill_tokens for c in self.contexts)
-        decode_blocks = max(self.decode_batches) * _blocks(max(self.decode_contexts) + 1,
-                                                           self.block_size)
-        return max(_blocks(max_len, self.block_size), decode_blocks, 2)
-
-
 def model_config_sha256(worker: Worker) -> str:
     """The model's identity: its config.json's hash (a budget table is for this model)."""
     config = Path(worker.model_path) / "config.json"
     config_bytes = config.read_bytes() if config.is_file() else \
         repr(worker.model_config).encode()
     return hashlib.sha256(config_bytes).hexdigest()
-
-
-def tile_grid(unit: int, max_tokens: int) -> tuple[int, ...]:
-    """unit, 2*unit, 4*unit, ... up to max_tokens: the chunk sizes measured."""
-    sizes, size = [], unit
-    while size <= max_tokens:
-        sizes.append(size)
-        size *= 2
-    return tuple(sizes) or (unit,)
-
-
-def _blocks(tokens: int, block_size: int) -> int:
-    return -(-tokens // block_size)
 
 
 class Calibrator:

@@ -1,16 +1,71 @@
-"""The calibration grid's arithmetic, torch-free: the points a spec measures, the order of a
-sweep's interleaved rounds, the pilot's estimate and the grid cut to a time budget, and the
-statistics of a point's runs (workers/calibrate.py runs them)."""
+"""The calibration grid, torch-free: what a calibration measures (`CalibrationSpec`), its
+points, the order of a sweep's interleaved rounds, the pilot's estimate and the grid cut to
+a time budget, and the statistics of a point's runs (workers/calibrate.py runs them)."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from workers.calibrate import CalibrationSpec
+from controller.calibration import CalibrationConfig
+
+
+@dataclass(frozen=True)
+class CalibrationSpec:
+    """What to measure; stored in the JSON so `--check` repeats exactly this."""
+
+    model: str
+    dtype: str
+    device: str
+    block_size: int
+    tile_tokens: int
+    warmup: int
+    iters: int
+    threads: int | None  # torch CPU threads; None keeps torch's default
+    prefill_tokens: tuple[int, ...]
+    contexts: tuple[int, ...]
+    decode_batches: tuple[int, ...]
+    decode_contexts: tuple[int, ...]  # two or more, or a decode's per-pair cost is unknown
+    matmul_size: int  # GEMM edge of the peak-FLOPs probe
+    bandwidth_bytes: int  # buffer of the bandwidth probe (far above the last-level cache)
+    memory_fraction: float
+    agree_within: float = 0.0  # stop after two kept runs that agree this closely; 0: never
+
+    @classmethod
+    def of(cls, grid: CalibrationConfig, *, model: str, dtype: str, device: str,
+           block_size: int, tile_tokens: int, threads: int | None) -> CalibrationSpec:
+        """`grid` on one worker; chunks on the grid of lcm(block size, tile)."""
+        return cls(model=model, dtype=dtype, device=device, block_size=block_size,
+                   tile_tokens=tile_tokens, warmup=grid.warmup, iters=grid.iters,
+                   threads=threads,
+                   prefill_tokens=tile_grid(math.lcm(block_size, tile_tokens), grid.max_tokens),
+                   contexts=grid.contexts, decode_batches=grid.decode_batches,
+                   decode_contexts=grid.decode_contexts, matmul_size=grid.matmul_size,
+                   bandwidth_bytes=grid.bandwidth_bytes, memory_fraction=grid.memory_fraction,
+                   agree_within=grid.agree_within)
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """KV blocks the largest prefill point or decode batch needs at once."""
+        max_len = max(t + c for t in self.prefill_tokens for c in self.contexts)
+        decode_blocks = max(self.decode_batches) * _blocks(max(self.decode_contexts) + 1,
+                                                           self.block_size)
+        return max(_blocks(max_len, self.block_size), decode_blocks, 2)
+
+
+def tile_grid(unit: int, max_tokens: int) -> tuple[int, ...]:
+    """unit, 2*unit, 4*unit, ... up to max_tokens: the chunk sizes measured."""
+    sizes, size = [], unit
+    while size <= max_tokens:
+        sizes.append(size)
+        size *= 2
+    return tuple(sizes) or (unit,)
+
+
+def _blocks(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
 
 
 def prefill_points(spec: CalibrationSpec, max_model_len: int) -> list[tuple[int, int]]:
