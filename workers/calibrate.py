@@ -42,8 +42,8 @@ from workers.calibration_grid import (
     CalibrationSpec,
     GridSizing,
     StepGuess,
-    _blocks,
     decode_points,
+    num_blocks_for,
     prefill_points,
     relative_iqr,
     runs_agree,
@@ -101,7 +101,7 @@ class Calibrator:
         rid, total = f"prefill-{tokens}@{context}", context + tokens
         ids = [(i % (self.worker.vocab_size - 1)) + 1 for i in range(total + 1)]
         # Points share block ids (values never matter): the pool is the largest point's.
-        blocks = list(range(_blocks(total, self.spec.block_size)))
+        blocks = list(range(num_blocks_for(total, self.spec.block_size)))
         sched = {"num_scheduled_tokens": {rid: tokens}, "total_num_scheduled_tokens": tokens}
         first = self.worker.execute(self._plan(
             new_requests=[NewRequestData(rid, ids, _PARAMS, blocks, context)], **sched))
@@ -119,7 +119,7 @@ class Calibrator:
     def decode_point(self, batch: int, context: int) -> Run:
         """Each call admits `batch` requests of `context` cached tokens afresh (dropping the
         previous ones first) and decodes one token for each."""
-        per = _blocks(context + 1, self.spec.block_size)
+        per = num_blocks_for(context + 1, self.spec.block_size)
         rids = [f"decode-{batch}@{context}-{i}" for i in range(batch)]
         ids = [(i % (self.worker.vocab_size - 1)) + 1 for i in range(context + 1)]
         self._admitted.update(rids)

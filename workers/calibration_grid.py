@@ -50,9 +50,9 @@ class CalibrationSpec:
     def num_kv_blocks(self) -> int:
         """KV blocks the largest prefill point or decode batch needs at once."""
         max_len = max(t + c for t in self.prefill_tokens for c in self.contexts)
-        decode_blocks = max(self.decode_batches) * _blocks(max(self.decode_contexts) + 1,
+        decode_blocks = max(self.decode_batches) * num_blocks_for(max(self.decode_contexts) + 1,
                                                            self.block_size)
-        return max(_blocks(max_len, self.block_size), decode_blocks, 2)
+        return max(num_blocks_for(max_len, self.block_size), decode_blocks, 2)
 
 
 def tile_grid(unit: int, max_tokens: int) -> tuple[int, ...]:
@@ -64,7 +64,8 @@ def tile_grid(unit: int, max_tokens: int) -> tuple[int, ...]:
     return tuple(sizes) or (unit,)
 
 
-def _blocks(tokens: int, block_size: int) -> int:
+def num_blocks_for(tokens: int, block_size: int) -> int:
+    """Blocks of `block_size` that hold `tokens`."""
     return -(-tokens // block_size)
 
 
